@@ -1,0 +1,36 @@
+# `make test` and `make demo` work on a fresh machine: they create .venv, install
+# torch 2.13.0 (the CPU wheel here) when torch is not importable, then the package
+# with its test extras, then run.
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.rallypoint-installed
+PYTEST_ARGS ?=
+
+.PHONY: test demo proto bench install clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+
+$(STAMP): $(VPY) pyproject.toml
+	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet torch==2.13.0
+	$(VPY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VPY) examples/demo_lighthouse.py
+
+proto: $(STAMP)
+	$(VPY) tools/gen_proto.py
+
+bench: $(STAMP)
+	$(VPY) bench/lighthouse.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,31 @@
+"""rallypoint: keep data-parallel PyTorch training running while machines fail.
+
+The lighthouse side (``rallypoint.lighthouse``, ``rallypoint.cli``) imports no torch,
+so the service starts fast and runs on hosts without torch. The torch-side API is
+exposed lazily: attributes listed in ``_LAZY`` are imported on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> "module:attribute"; filled in as the torch-side components land.
+_LAZY: dict[str, str] = {
+    "LighthouseServer": "rallypoint.lighthouse.server:LighthouseServer",
+    "LighthouseClient": "rallypoint.lighthouse.client:LighthouseClient",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'rallypoint' has no attribute {name!r}")
+    module, _, attr = target.partition(":")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

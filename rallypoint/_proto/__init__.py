@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for proto/*.proto (see tools/gen_proto.py)."""

@@ -1,0 +1,85 @@
+from . import torchft_pb2 as _torchft_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AttachHello(_message.Message):
+    __slots__ = ("replica_id", "address")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class AttachGoodbye(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class AttachPing(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("hello", "goodbye", "ping")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    hello: AttachHello
+    goodbye: AttachGoodbye
+    ping: AttachPing
+    def __init__(self, hello: _Optional[_Union[AttachHello, _Mapping]] = ..., goodbye: _Optional[_Union[AttachGoodbye, _Mapping]] = ..., ping: _Optional[_Union[AttachPing, _Mapping]] = ...) -> None: ...
+
+class AttachWelcome(_message.Message):
+    __slots__ = ("quorum_id", "heartbeat_timeout_ms", "last_quorum")
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    LAST_QUORUM_FIELD_NUMBER: _ClassVar[int]
+    quorum_id: int
+    heartbeat_timeout_ms: int
+    last_quorum: _torchft_pb2.Quorum
+    def __init__(self, quorum_id: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., last_quorum: _Optional[_Union[_torchft_pb2.Quorum, _Mapping]] = ...) -> None: ...
+
+class PeerDown(_message.Message):
+    __slots__ = ("replica_id", "reason")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    reason: str
+    def __init__(self, replica_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("welcome", "peer_down")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    PEER_DOWN_FIELD_NUMBER: _ClassVar[int]
+    welcome: AttachWelcome
+    peer_down: PeerDown
+    def __init__(self, welcome: _Optional[_Union[AttachWelcome, _Mapping]] = ..., peer_down: _Optional[_Union[PeerDown, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class KillReplicaRequest(_message.Message):
+    __slots__ = ("replica_id", "reason")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    reason: str
+    def __init__(self, replica_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class KillReplicaResponse(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,202 @@
+"""The ``rallypoint`` command (also ``python -m rallypoint``).
+
+Subcommands: ``lighthouse`` (run the quorum service; drop-in for ``torchft_lighthouse``,
+whose underscore flag spellings are accepted), ``status`` (print the quorum as a
+table), ``kill`` (ask a replica's manager to exit). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Sequence
+
+log = logging.getLogger("rallypoint.cli")
+
+DEFAULT_LIGHTHOUSE = "http://localhost:29510"
+DEFAULT_STATE = "rallypoint-lighthouse.db"
+
+
+def _lighthouse_env() -> str:
+    return os.environ.get("RALLYPOINT_LIGHTHOUSE") or os.environ.get("TORCHFT_LIGHTHOUSE") or DEFAULT_LIGHTHOUSE
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kw: object) -> None:
+    """Add ``--a-b`` with torchft's ``--a_b`` spelling as an alias."""
+    spellings = [f"--{name}"]
+    if "-" in name:
+        spellings.append(f"--{name.replace('-', '_')}")
+    parser.add_argument(*spellings, **kw)  # type: ignore[arg-type]
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from rallypoint import __version__
+
+    p = argparse.ArgumentParser(prog="rallypoint", description="Fault-tolerant data-parallel training for PyTorch.")
+    p.add_argument("--version", action="version", version=f"rallypoint {__version__}")
+    p.add_argument("--log-level", default=os.environ.get("RALLYPOINT_LOG_LEVEL", "INFO"), help="logging level (INFO)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    lh = sub.add_parser("lighthouse", help="run the lighthouse (quorum) service")
+    _flag(lh, "min-replicas", type=int, required=True, help="fewest replica groups a new quorum may have")
+    _flag(lh, "join-timeout-ms", type=int, default=60_000, help="how long to wait for healthy stragglers (60000)")
+    _flag(lh, "heartbeat-timeout-ms", type=int, default=5_000, help="silence after which a replica is dead (5000)")
+    _flag(lh, "quorum-tick-ms", type=int, default=None, help="cap on the wait between evaluations (default: none; evaluation is event driven)")
+    _flag(lh, "bind", default="[::]:29510", help="gRPC address ([::]:29510)")
+    _flag(lh, "http-bind", default="[::]:29511", help="HTTP dashboard address ([::]:29511); 'off' disables it")
+    _flag(lh, "state", default=DEFAULT_STATE, help=f"SQLite state file ({DEFAULT_STATE}); ':memory:' keeps nothing across restarts")
+    _flag(lh, "token", default=None, help="require 'authorization: Bearer TOKEN' (default: $RALLYPOINT_TOKEN)")
+    _flag(lh, "forget-after-ms", type=int, default=None, help="forget replicas silent this long (10 x heartbeat timeout)")
+
+    st = sub.add_parser("status", help="print the lighthouse's quorum as a table")
+    st.add_argument("--lighthouse", default=None, help=f"gRPC or HTTP address (default: $RALLYPOINT_LIGHTHOUSE, $TORCHFT_LIGHTHOUSE or {DEFAULT_LIGHTHOUSE})")
+    st.add_argument("--json", action="store_true", help="print the raw status document")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the lighthouse (5)")
+
+    kl = sub.add_parser("kill", help="ask a replica's manager to exit (forwarded by the lighthouse)")
+    kl.add_argument("replica_id")
+    kl.add_argument("--lighthouse", default=None, help="gRPC address of the lighthouse")
+    kl.add_argument("--reason", default="killed from the command line")
+    kl.add_argument("--timeout", type=float, default=15.0)
+    return p
+
+
+def _run_lighthouse(args: argparse.Namespace) -> int:
+    from rallypoint.lighthouse.server import LighthouseServer
+    from rallypoint.lighthouse.state import StateCorruptError, StateLockedError
+
+    token = args.token if args.token is not None else os.environ.get("RALLYPOINT_TOKEN") or None
+    http_bind = None if str(args.http_bind).lower() in ("off", "none", "") else args.http_bind
+    try:
+        server = LighthouseServer(
+            bind=args.bind,
+            min_replicas=args.min_replicas,
+            join_timeout_ms=args.join_timeout_ms,
+            quorum_tick_ms=args.quorum_tick_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            http_bind=http_bind,
+            state=args.state,
+            token=token,
+            forget_after_ms=args.forget_after_ms,
+        )
+    except (StateLockedError, StateCorruptError, OSError, ValueError) as e:
+        print(f"rallypoint lighthouse: {e}", file=sys.stderr)
+        return 2
+    # One machine-readable line so scripts can find ports chosen with :0.
+    print(json.dumps({"lighthouse": server.address(), "local": server.local_address(), "http": server.http_address()}), flush=True)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    while not stop.wait(0.5):
+        if server.wait(0):
+            print("rallypoint lighthouse: the service stopped unexpectedly (see the log above)", file=sys.stderr)
+            return 1
+    server.shutdown()
+    return 0
+
+
+def _fetch_status(address: str, timeout: float) -> dict:
+    """Status over gRPC (the address users configure); falls back to HTTP GET /status
+    in case they pasted the dashboard address."""
+    from rallypoint.lighthouse.client import LighthouseClient
+
+    try:
+        with LighthouseClient(address, connect_timeout=timeout) as c:
+            return c.status(timeout=timeout)
+    except (ConnectionError, TimeoutError) as grpc_error:
+        import httpx
+
+        url = address if address.startswith("http") else f"http://{address}"
+        try:
+            r = httpx.get(url.rstrip("/") + "/status", timeout=timeout)
+            r.raise_for_status()
+            return r.json()
+        except (httpx.HTTPError, ValueError):
+            raise grpc_error from None
+
+
+def format_status(s: dict) -> str:
+    """The status document as a human table."""
+    lines = []
+    q = s.get("quorum")
+    opts = s.get("options", {})
+    lines.append(f"quorum_id {s.get('quorum_id')}   min_replicas {opts.get('min_replicas')}   "
+                 f"heartbeat_timeout {opts.get('heartbeat_timeout_ms')} ms   join_timeout {opts.get('join_timeout_ms')} ms")
+    members = {m["replica_id"] for m in (q or {}).get("members", [])}
+    if q:
+        age = time.time() - q.get("created", time.time())
+        lines.append(f"last quorum: {len(members)} member(s), formed {age:.1f}s ago")
+    else:
+        lines.append("last quorum: none yet")
+    d = s.get("last_decision")
+    if d:
+        lines.append(f"last decision: {d.get('rule')}: {d.get('reason')}")
+    rows = [("REPLICA", "IN QUORUM", "STEP", "HEARTBEAT AGE", "STATE", "MANAGER")]
+    for r in s.get("replicas", []):
+        age = r.get("heartbeat_age_s")
+        state = "dead" if r.get("dead") else ("asking" if r.get("participating") else ("attached" if r.get("attached") else "-"))
+        rows.append((
+            r["replica_id"],
+            "yes" if r["replica_id"] in members else "no",
+            "" if r.get("step") is None else str(r["step"]),
+            "-" if age is None else f"{age:.2f}s",
+            state,
+            r.get("address", ""),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    address = args.lighthouse or _lighthouse_env()
+    try:
+        s = _fetch_status(address, args.timeout)
+    except Exception as e:
+        print(f"rallypoint status: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(s, indent=2) if args.json else format_status(s))
+    return 0
+
+
+def _run_kill(args: argparse.Namespace) -> int:
+    from rallypoint.lighthouse.client import LighthouseClient
+
+    address = args.lighthouse or _lighthouse_env()
+    try:
+        with LighthouseClient(address, connect_timeout=5.0) as c:
+            target = c.kill(args.replica_id, args.reason, timeout=args.timeout)
+    except KeyError:
+        print(f"rallypoint kill: the lighthouse at {address} knows no replica {args.replica_id!r}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        print(f"rallypoint kill: {e}", file=sys.stderr)
+        return 1
+    print(f"sent Kill to replica {args.replica_id} at {target}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handlers = {"lighthouse": _run_lighthouse, "status": _run_status, "kill": _run_kill}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

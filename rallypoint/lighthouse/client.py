@@ -1,0 +1,300 @@
+"""Clients of the lighthouse: the torchft-compatible Quorum/Heartbeat client and the
+liveness stream a replica holds open for its whole life.
+
+This is the only part of ``rallypoint.lighthouse`` that the manager imports. Every
+call has a timeout; the liveness stream reconnects by itself until closed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from rallypoint._proto import rallypoint_pb2 as rpb
+from rallypoint._proto import torchft_pb2 as pb
+from rallypoint.lighthouse import addr as addrs
+from rallypoint.lighthouse.quorum import Member, Quorum
+from rallypoint.lighthouse.validate import member_from_pb
+
+log = logging.getLogger("rallypoint.lighthouse.client")
+
+TOKEN_ENV = "RALLYPOINT_TOKEN"
+
+
+def _seconds(t: float | timedelta) -> float:
+    return t.total_seconds() if isinstance(t, timedelta) else float(t)
+
+
+def _metadata(token: str | None) -> list[tuple[str, str]] | None:
+    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    return [("authorization", f"Bearer {token}")] if token else None
+
+
+def quorum_from_pb(msg: pb.Quorum) -> Quorum:
+    created = msg.created.seconds + msg.created.nanos / 1e9
+    return Quorum(msg.quorum_id, tuple(member_from_pb(p) for p in msg.participants), created)
+
+
+class LighthouseClient:
+    """Quorum and Heartbeat against a lighthouse (ours or torchft's).
+
+    Mirrors torchft's ``LighthouseClient(addr, connect_timeout)``: ``quorum()`` blocks
+    until a quorum containing ``replica_id`` forms or ``timeout`` passes (then raises
+    ``TimeoutError`` naming the replica and the lighthouse).
+    """
+
+    def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0, token: str | None = None) -> None:
+        self.addr = addr
+        self._target = addrs.grpc_target(addr)
+        self._connect_timeout = _seconds(connect_timeout)
+        self._metadata = _metadata(token)
+        self._channel = grpc.insecure_channel(self._target)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=self._connect_timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise ConnectionError(
+                f"could not connect to the lighthouse at {addr} within {self._connect_timeout:.1f}s; "
+                "is `rallypoint lighthouse` running there?"
+            ) from None
+        self._quorum = self._channel.unary_unary(
+            "/torchft.LighthouseService/Quorum",
+            request_serializer=pb.LighthouseQuorumRequest.SerializeToString,
+            response_deserializer=pb.LighthouseQuorumResponse.FromString,
+        )
+        self._heartbeat = self._channel.unary_unary(
+            "/torchft.LighthouseService/Heartbeat",
+            request_serializer=pb.LighthouseHeartbeatRequest.SerializeToString,
+            response_deserializer=pb.LighthouseHeartbeatResponse.FromString,
+        )
+
+    def quorum(
+        self,
+        replica_id: str,
+        timeout: float | timedelta,
+        address: str | None = None,
+        store_address: str | None = None,
+        step: int | None = None,
+        world_size: int | None = None,
+        shrink_only: bool | None = None,
+        data: dict | str | None = None,
+        commit_failures: int = 0,
+    ) -> Quorum:
+        requester = pb.QuorumMember(
+            replica_id=replica_id,
+            address=address or "",
+            store_address=store_address or "",
+            step=step or 0,
+            world_size=world_size or 0,
+            shrink_only=bool(shrink_only),
+            commit_failures=commit_failures,
+            data=data if isinstance(data, str) else (json.dumps(data) if data is not None else ""),
+        )
+        secs = _seconds(timeout)
+        try:
+            resp = self._quorum(
+                pb.LighthouseQuorumRequest(requester=requester), timeout=secs, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise _translate(e, f"quorum for replica {replica_id} at {self.addr}", secs) from None
+        return quorum_from_pb(resp.quorum)
+
+    def heartbeat(self, replica_id: str, timeout: float | timedelta = 5.0) -> None:
+        secs = _seconds(timeout)
+        try:
+            self._heartbeat(pb.LighthouseHeartbeatRequest(replica_id=replica_id), timeout=secs, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _translate(e, f"heartbeat for replica {replica_id} at {self.addr}", secs) from None
+
+    def status(self, timeout: float = 5.0) -> dict:
+        """The lighthouse's status document (rallypoint lighthouses only)."""
+        call = self._channel.unary_unary(
+            "/rallypoint.RallypointLighthouse/Status",
+            request_serializer=rpb.StatusRequest.SerializeToString,
+            response_deserializer=rpb.StatusResponse.FromString,
+        )
+        try:
+            return json.loads(call(rpb.StatusRequest(), timeout=timeout, metadata=self._metadata).json)
+        except grpc.RpcError as e:
+            raise _translate(e, f"status of {self.addr}", timeout) from None
+
+    def kill(self, replica_id: str, reason: str = "killed via the lighthouse", timeout: float = 15.0) -> str:
+        """Ask the lighthouse to forward Kill to ``replica_id``'s manager; returns its address.
+        Raises KeyError for a replica the lighthouse does not know."""
+        call = self._channel.unary_unary(
+            "/rallypoint.RallypointLighthouse/KillReplica",
+            request_serializer=rpb.KillReplicaRequest.SerializeToString,
+            response_deserializer=rpb.KillReplicaResponse.FromString,
+        )
+        try:
+            resp = call(rpb.KillReplicaRequest(replica_id=replica_id, reason=reason), timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise KeyError(e.details()) from None
+            raise _translate(e, f"kill of replica {replica_id} via {self.addr}", timeout) from None
+        return resp.address
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "LighthouseClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _translate(e: grpc.RpcError, what: str, timeout: float) -> Exception:
+    code = e.code() if hasattr(e, "code") else None
+    detail = e.details() if hasattr(e, "details") else str(e)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(f"{what} timed out after {timeout:.1f}s (no quorum formed in time)")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(f"{what} was rejected: {detail}")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return PermissionError(f"{what} was refused: {detail}")
+    return ConnectionError(f"{what} failed ({code.name if code else 'error'}): {detail}")
+
+
+class LivenessStream:
+    """Holds rallypoint's ``Attach`` stream open so that the lighthouse sees this
+    replica's death within milliseconds of the process dying (the kernel closes the
+    connection), and pushes ``PeerDown`` notices for other replicas to ``on_peer_down``.
+
+    ``close()`` sends a goodbye first, so a clean shutdown is not counted as a crash.
+    The stream reconnects (with capped backoff) until closed. Pings every
+    ``ping_interval`` seconds also count as heartbeats. Talking to a lighthouse without
+    the extension (torchft's) is harmless: the stream is UNIMPLEMENTED and is not retried.
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        replica_id: str,
+        address: str = "",
+        *,
+        token: str | None = None,
+        ping_interval: float | None = 1.0,
+        on_peer_down: Callable[[str, str], None] | None = None,
+        reconnect_backoff: tuple[float, float] = (0.1, 2.0),
+    ) -> None:
+        self.addr = addr
+        self.replica_id = replica_id
+        self.address = address
+        self._target = addrs.grpc_target(addr)
+        self._metadata = _metadata(token)
+        self._ping_interval = ping_interval
+        self._on_peer_down = on_peer_down
+        self._backoff = reconnect_backoff
+        self._closed = threading.Event()
+        self._welcomed = threading.Event()
+        self._outbox: queue.Queue[rpb.AttachRequest | None] | None = None
+        self._call: Any = None
+        self._lock = threading.Lock()
+        self.unsupported = False
+        self.welcome: rpb.AttachWelcome | None = None
+        self._channel = grpc.insecure_channel(self._target)
+        self._attach = self._channel.stream_stream(
+            "/rallypoint.RallypointLighthouse/Attach",
+            request_serializer=rpb.AttachRequest.SerializeToString,
+            response_deserializer=rpb.AttachResponse.FromString,
+        )
+        self._thread = threading.Thread(target=self._run, name=f"rallypoint-liveness-{replica_id}", daemon=True)
+
+    def start(self, timeout: float = 10.0) -> bool:
+        """Open the stream; True once the lighthouse welcomed us within ``timeout``."""
+        self._thread.start()
+        ok = self._welcomed.wait(timeout)
+        if not ok and not self.unsupported:
+            log.warning("[%s] liveness stream to %s not welcomed within %.1fs; will keep trying", self.replica_id, self.addr, timeout)
+        return ok
+
+    @property
+    def connected(self) -> bool:
+        return self._welcomed.is_set()
+
+    def _requests(self, outbox: "queue.Queue[rpb.AttachRequest | None]") -> Iterator[rpb.AttachRequest]:
+        yield rpb.AttachRequest(hello=rpb.AttachHello(replica_id=self.replica_id, address=self.address))
+        while True:
+            try:
+                msg = outbox.get(timeout=self._ping_interval)
+            except queue.Empty:
+                msg = rpb.AttachRequest(ping=rpb.AttachPing())
+            if msg is None:
+                return
+            yield msg
+
+    def _run(self) -> None:
+        delay = self._backoff[0]
+        while not self._closed.is_set():
+            outbox: queue.Queue[rpb.AttachRequest | None] = queue.Queue()
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                self._outbox = outbox
+                self._call = self._attach(self._requests(outbox), metadata=self._metadata)
+            try:
+                for resp in self._call:
+                    if resp.HasField("welcome"):
+                        self.welcome = resp.welcome
+                        self._welcomed.set()
+                        delay = self._backoff[0]
+                        log.info("[%s] liveness stream attached to %s", self.replica_id, self.addr)
+                    elif resp.HasField("peer_down") and self._on_peer_down is not None:
+                        try:
+                            self._on_peer_down(resp.peer_down.replica_id, resp.peer_down.reason)
+                        except Exception:
+                            log.exception("[%s] on_peer_down callback failed", self.replica_id)
+                if self._closed.is_set():
+                    return
+                log.warning("[%s] liveness stream ended by the lighthouse; reconnecting", self.replica_id)
+            except grpc.RpcError as e:
+                if self._closed.is_set():
+                    return
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self.unsupported = True
+                    log.info("[%s] lighthouse at %s has no liveness stream (torchft?); relying on heartbeats", self.replica_id, self.addr)
+                    self._welcomed.set()
+                    return
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
+                    log.error("[%s] liveness stream refused: %s", self.replica_id, e.details())
+                    return
+                log.warning("[%s] liveness stream to %s broke (%s); reconnecting in %.1fs", self.replica_id, self.addr, e.code(), delay)
+            self._welcomed.clear()
+            if self._closed.wait(delay):
+                return
+            delay = min(delay * 2, self._backoff[1])
+
+    def close(self, reason: str = "shutdown", timeout: float = 5.0) -> None:
+        """Say goodbye and close; idempotent. The lighthouse forgets us at once."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            outbox, call = self._outbox, self._call
+        if outbox is not None and call is not None and self._welcomed.is_set():
+            outbox.put(rpb.AttachRequest(goodbye=rpb.AttachGoodbye(reason=reason)))
+            outbox.put(None)
+            self._thread.join(timeout)
+        if call is not None and self._thread.is_alive():
+            call.cancel()
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        self._channel.close()
+
+    def __enter__(self) -> "LivenessStream":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["LighthouseClient", "LivenessStream", "Member", "Quorum", "quorum_from_pb"]

@@ -1,0 +1,382 @@
+"""The lighthouse's mutable state, bound to one asyncio event loop.
+
+All methods run on the loop thread, so no locks are needed. The decision itself is
+:func:`rallypoint.lighthouse.quorum.decide`; this module only keeps the inputs up to
+date, calls it whenever they change (and at the next deadline it reports), answers
+waiters when a quorum forms, persists what must survive a restart and feeds metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rallypoint._proto import rallypoint_pb2 as rpb
+from rallypoint._proto import torchft_pb2 as pb
+from rallypoint.lighthouse import quorum as q
+from rallypoint.lighthouse.metrics import LighthouseMetrics
+from rallypoint.lighthouse.state import StateStore
+from rallypoint.lighthouse.validate import member_to_pb
+
+log = logging.getLogger("rallypoint.lighthouse")
+
+# How often expired heartbeats are swept and reported, at most.
+_SWEEP_INTERVAL = 0.5
+
+
+class ReplicaDead(Exception):
+    """Raised into a pending Quorum request whose replica was declared dead."""
+
+
+@dataclass
+class _Attachment:
+    """One open Attach stream; ``outbox`` carries pushes to that replica."""
+
+    replica_id: str
+    address: str
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+def quorum_to_pb(quorum: q.Quorum) -> pb.Quorum:
+    msg = pb.Quorum(quorum_id=quorum.quorum_id, participants=[member_to_pb(m) for m in quorum.members])
+    secs = int(quorum.created)
+    msg.created.seconds = secs
+    msg.created.nanos = int((quorum.created - secs) * 1e9)
+    return msg
+
+
+class LighthouseCore:
+    """Heartbeats, pending requests, the previous quorum and the attached streams."""
+
+    def __init__(
+        self,
+        options: q.Options,
+        store: StateStore,
+        metrics: LighthouseMetrics,
+        *,
+        quorum_tick: float | None = None,
+        forget_after: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.options = options
+        self.store = store
+        self.metrics = metrics
+        self._tick = quorum_tick
+        self._forget_after = forget_after if forget_after is not None else 10 * options.heartbeat_timeout
+        self._clock = clock
+        self._wall = wall
+        restored = store.restore()
+        self.quorum_id = restored.quorum_id
+        self.previous: q.Quorum | None = restored.last_quorum
+        self.heartbeats: dict[str, float] = {}
+        self.pending: dict[str, q.Pending] = {}
+        self._waiters: dict[str, list[asyncio.Future]] = {}
+        self._addresses: dict[str, str] = {}
+        self._steps: dict[str, int] = {}
+        self._attached: dict[str, _Attachment] = {}
+        # Replicas whose stream broke: stray heartbeats are ignored until they re-attach
+        # or ask for a quorum, so an in-flight heartbeat cannot resurrect a crashed one.
+        self._dead: dict[str, float] = {}
+        self._healthy_seen: set[str] = set()
+        self.last_decision: q.Decision | None = None
+        self.last_decision_time = 0.0
+        self._next_check: float | None = None
+        self._eval_scheduled = False
+        self._wakeup: asyncio.Event | None = None
+        self._timer: asyncio.Task | None = None
+        self._last_sweep = 0.0
+        self.started = wall()
+        if restored.quorum_id:
+            log.info(
+                "restored quorum_id=%d, last quorum %s from %s",
+                self.quorum_id,
+                list(self.previous.replica_ids) if self.previous else [],
+                store.path,
+            )
+        store.record_event(
+            "start", None, quorum_id=self.quorum_id, min_replicas=options.min_replicas, state=store.path
+        )
+        metrics.set_quorum(self.quorum_id, len(self.previous.members) if self.previous else 0)
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._timer = asyncio.get_running_loop().create_task(self._run_timer(), name="lighthouse-timer")
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            try:
+                await self._timer
+            except asyncio.CancelledError:
+                pass
+        for rid, futs in list(self._waiters.items()):
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(ReplicaDead("the lighthouse is shutting down; retry against its replacement"))
+        self._waiters.clear()
+        self.pending.clear()
+
+    # ---------------------------------------------------------------- inputs
+    def _alive(self, rid: str, now: float) -> None:
+        """Record a sign of life; a replica new to us (or revived) is a join."""
+        self.heartbeats[rid] = now
+        if rid not in self._healthy_seen:
+            self._healthy_seen.add(rid)
+            self.store.record_event("join", rid)
+            log.info("[%s] replica is alive", rid)
+            self._schedule()
+
+    def heartbeat(self, rid: str) -> None:
+        self.metrics.heartbeat()
+        if rid in self._dead:
+            log.debug("[%s] ignoring heartbeat from a replica declared dead (re-attach or ask for a quorum)", rid)
+            return
+        self._alive(rid, self._clock())
+
+    async def request_quorum(self, member: q.Member) -> bytes:
+        """Register a pending request and wait until a quorum containing it forms.
+
+        Returns the serialized ``LighthouseQuorumResponse`` (shared by every waiter of
+        that quorum). No timeout here: the caller's RPC deadline cancels the wait, and
+        a cancelled wait stops being a participant at once.
+        """
+        rid = member.replica_id
+        now = self._clock()
+        self.metrics.quorum_request()
+        self._dead.pop(rid, None)
+        self._alive(rid, now)
+        old = self.pending.get(rid)
+        self.pending[rid] = q.Pending(member, old.joined if old else now)
+        if member.address:
+            self._addresses[rid] = member.address
+        self._steps[rid] = member.step
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(rid, []).append(fut)
+        self._schedule()
+        try:
+            return await fut
+        finally:
+            if not fut.done() or fut.cancelled():
+                self._drop_waiter(rid, fut)
+
+    def _drop_waiter(self, rid: str, fut: asyncio.Future) -> None:
+        futs = self._waiters.get(rid)
+        if futs is None:
+            return
+        if fut in futs:
+            futs.remove(fut)
+        if not futs:
+            del self._waiters[rid]
+            if self.pending.pop(rid, None) is not None:
+                # It was alive until it walked away; count that as its last heartbeat.
+                if rid not in self._dead:
+                    self.heartbeats[rid] = self._clock()
+                log.info("[%s] quorum request withdrawn (cancelled or disconnected)", rid)
+                self._schedule()
+
+    def attach(self, rid: str, address: str) -> _Attachment:
+        """A replica opened its liveness stream."""
+        self._dead.pop(rid, None)
+        old = self._attached.get(rid)
+        if old is not None:
+            log.info("[%s] replaced an older liveness stream", rid)
+        att = _Attachment(rid, address)
+        self._attached[rid] = att
+        if address:
+            self._addresses[rid] = address
+        self._alive(rid, self._clock())
+        self._update_gauges()
+        return att
+
+    def detach(self, att: _Attachment, *, clean: bool, reason: str) -> None:
+        """The liveness stream ended: with a goodbye (``clean``) or by breaking."""
+        rid = att.replica_id
+        if self._attached.get(rid) is not att:
+            return  # superseded by a newer stream of the same replica
+        del self._attached[rid]
+        self.declare_dead(rid, "goodbye" if clean else "stream_broken", reason)
+
+    def declare_dead(self, rid: str, kind: str, reason: str) -> None:
+        """Forget a replica now: no waiting for its heartbeat to expire."""
+        self._dead[rid] = self._clock()
+        self.heartbeats.pop(rid, None)
+        self._healthy_seen.discard(rid)
+        self.pending.pop(rid, None)
+        for fut in self._waiters.pop(rid, []):
+            if not fut.done():
+                fut.set_exception(ReplicaDead(f"replica {rid} was declared dead: {reason}"))
+        self.metrics.replica_down(kind)
+        self.store.record_event("leave" if kind == "goodbye" else "crash", rid, reason=reason)
+        if kind == "goodbye":
+            log.info("[%s] replica left cleanly: %s", rid, reason)
+        else:
+            log.warning("[%s] replica is gone (%s): %s", rid, kind, reason)
+        notice = rpb.AttachResponse(peer_down=rpb.PeerDown(replica_id=rid, reason=f"{kind}: {reason}"))
+        for other in self._attached.values():
+            other.outbox.put_nowait(notice)
+        self._update_gauges()
+        self._schedule()
+
+    # ---------------------------------------------------------------- evaluation
+    def _schedule(self) -> None:
+        """Evaluate soon, once per burst: many requests arriving in one loop
+        iteration cost one evaluation."""
+        if not self._eval_scheduled:
+            self._eval_scheduled = True
+            asyncio.get_running_loop().call_soon(self._evaluate)
+
+    def _evaluate(self) -> None:
+        self._eval_scheduled = False
+        now = self._clock()
+        view = q.View(self.heartbeats, self.pending, self.previous, self.quorum_id)
+        decision = q.decide(now, view, self.options)
+        self.metrics.decision(decision.rule.value)
+        prev = self.last_decision
+        if prev is None or prev.rule != decision.rule:
+            log.info("quorum status: %s", decision.reason)
+        self.last_decision = decision
+        self.last_decision_time = self._wall()
+        if decision.formed:
+            self._form(decision, now)
+        self._set_next_check(decision.next_check)
+        self._update_gauges()
+
+    def _form(self, decision: q.Decision, now: float) -> None:
+        assert decision.members is not None
+        quorum = q.Quorum(decision.quorum_id, decision.members, self._wall())
+        first_joined = min(self.pending[m.replica_id].joined for m in quorum.members)
+        changed = quorum.quorum_id != self.quorum_id or self.previous is None
+        self.quorum_id = quorum.quorum_id
+        self.previous = quorum
+        payload = pb.LighthouseQuorumResponse(quorum=quorum_to_pb(quorum)).SerializeToString()
+        for m in quorum.members:
+            self.pending.pop(m.replica_id, None)
+            for fut in self._waiters.pop(m.replica_id, []):
+                if not fut.done():
+                    fut.set_result(payload)
+        self.metrics.observe_quorum_latency(max(0.0, now - first_joined))
+        self.metrics.set_quorum(quorum.quorum_id, len(quorum.members))
+        if changed:
+            log.info("quorum %d formed with %s (%s)", quorum.quorum_id, list(quorum.replica_ids), decision.reason)
+            self.store.record_event(
+                "quorum",
+                None,
+                quorum_id=quorum.quorum_id,
+                members=list(quorum.replica_ids),
+                rule=decision.rule.value,
+                reason=decision.reason,
+            )
+        self.store.save_quorum(quorum)
+
+    def _set_next_check(self, when: float | None) -> None:
+        earlier = when is not None and (self._next_check is None or when < self._next_check)
+        self._next_check = when
+        if earlier and self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _run_timer(self) -> None:
+        """Wake at the next deadline a decision reported (capped by --quorum-tick-ms and
+        by the heartbeat sweep), never on a fixed polling tick otherwise."""
+        assert self._wakeup is not None
+        while True:
+            now = self._clock()
+            waits = [_SWEEP_INTERVAL if self.heartbeats else None, self._tick]
+            if self._next_check is not None:
+                waits.append(max(0.0, self._next_check - now))
+            timeout = min((w for w in waits if w is not None), default=None)
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except TimeoutError:
+                pass
+            self._wakeup.clear()
+            now = self._clock()
+            if self._next_check is not None and now >= self._next_check:
+                self._next_check = None
+                self._evaluate()
+            elif self._tick is not None:
+                self._evaluate()
+            if now - self._last_sweep >= _SWEEP_INTERVAL:
+                self._last_sweep = now
+                self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Report heartbeat expiries and forget long-silent replicas (bounded state)."""
+        limit = now - self.options.heartbeat_timeout
+        for rid in [r for r in self._healthy_seen if r not in self.pending and self.heartbeats.get(r, 0.0) <= limit]:
+            self._healthy_seen.discard(rid)
+            self.metrics.replica_down("heartbeat_expired")
+            self.store.record_event("leave", rid, reason="heartbeat expired")
+            log.warning("[%s] heartbeat expired (%.1fs timeout)", rid, self.options.heartbeat_timeout)
+        for rid in q.forgettable(now, self.heartbeats, self.pending, self._forget_after):
+            del self.heartbeats[rid]
+            self._addresses.pop(rid, None)
+            self._steps.pop(rid, None)
+        dead_limit = now - self._forget_after
+        for rid in [r for r, t in self._dead.items() if t < dead_limit]:
+            del self._dead[rid]
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.set_replicas(
+            healthy=len(q.healthy_replicas(self._clock(), q.View(self.heartbeats, self.pending), self.options)),
+            participating=len(self.pending),
+            attached=len(self._attached),
+        )
+
+    # ---------------------------------------------------------------- views
+    def manager_address(self, rid: str) -> str | None:
+        return self._addresses.get(rid)
+
+    def welcome(self) -> rpb.AttachResponse:
+        w = rpb.AttachWelcome(
+            quorum_id=self.quorum_id, heartbeat_timeout_ms=int(self.options.heartbeat_timeout * 1000)
+        )
+        if self.previous is not None:
+            w.last_quorum.CopyFrom(quorum_to_pb(self.previous))
+        return rpb.AttachResponse(welcome=w)
+
+    def status(self) -> dict:
+        now = self._clock()
+        prev = self.previous
+        ids = set(self.heartbeats) | set(self.pending) | set(self._attached)
+        if prev is not None:
+            ids.update(prev.replica_ids)
+        replicas = []
+        for rid in sorted(ids):
+            last = self.heartbeats.get(rid)
+            replicas.append(
+                {
+                    "replica_id": rid,
+                    "heartbeat_age_s": None if last is None else round(now - last, 3),
+                    "participating": rid in self.pending,
+                    "attached": rid in self._attached,
+                    "dead": rid in self._dead,
+                    "step": self._steps.get(rid),
+                    "address": self._addresses.get(rid, ""),
+                }
+            )
+        d = self.last_decision
+        return {
+            "quorum_id": self.quorum_id,
+            "quorum": None
+            if prev is None
+            else {
+                "quorum_id": prev.quorum_id,
+                "created": prev.created,
+                "members": [m.__dict__.copy() for m in prev.members],
+            },
+            "replicas": replicas,
+            "last_decision": None
+            if d is None
+            else {"rule": d.rule.value, "reason": d.reason, "time": self.last_decision_time},
+            "options": {
+                "min_replicas": self.options.min_replicas,
+                "join_timeout_ms": int(self.options.join_timeout * 1000),
+                "heartbeat_timeout_ms": int(self.options.heartbeat_timeout * 1000),
+            },
+        }

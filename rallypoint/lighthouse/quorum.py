@@ -1,0 +1,257 @@
+"""The lighthouse's quorum rules as pure functions over plain data.
+
+Nothing here reads a clock, touches the network or mutates its inputs: ``now`` is an
+argument and the result is a :class:`Decision`. The gRPC server is a thin shell that
+collects heartbeats and pending requests, calls :func:`decide` whenever something
+changes (and at ``Decision.next_check``), and answers waiters when a quorum forms.
+Keeping the rules here lets tests drive every branch with a table of plain values.
+
+The rules (DESIGN.md, "The lighthouse"):
+
+1. healthy = replicas whose last heartbeat is younger than ``heartbeat_timeout``, plus
+   every replica with a pending Quorum request (a waiting request keeps its replica
+   alive); participants = replicas with a pending Quorum request.
+2. Fast path: when a previous quorum exists and all its members are participants, form
+   now with all participants (only the previous members if a participant asked
+   ``shrink_only``).
+3. Otherwise no quorum while participants < ``min_replicas``, or while participants are
+   not more than half of the healthy replicas (no split brain).
+4. Otherwise wait for healthy replicas that have not asked yet, until ``join_timeout``
+   after the first participant asked; then form.
+5. Members are sorted by replica_id; ``quorum_id`` increases when the member list
+   changes or a member reports ``commit_failures > 0``.
+
+Differences from torchft 0.2.0, on purpose: ``shrink_only`` can never produce an empty
+quorum or one below ``min_replicas`` (it restricts the candidates to previous members
+and then the usual minimum applies), and the fast path also respects ``min_replicas``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class Member:
+    """One replica group's request, as carried by ``torchft.QuorumMember``."""
+
+    replica_id: str
+    address: str = ""
+    store_address: str = ""
+    step: int = 0
+    world_size: int = 0
+    shrink_only: bool = False
+    commit_failures: int = 0
+    data: str = ""
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """A formed quorum. ``created`` is wall-clock seconds since the epoch."""
+
+    quorum_id: int
+    members: tuple[Member, ...]
+    created: float = 0.0
+
+    @property
+    def replica_ids(self) -> tuple[str, ...]:
+        return tuple(m.replica_id for m in self.members)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A participant: a replica with an outstanding Quorum request since ``joined``."""
+
+    member: Member
+    joined: float
+
+
+@dataclass(frozen=True)
+class Options:
+    """Rule parameters, in seconds."""
+
+    min_replicas: int
+    join_timeout: float = 60.0
+    heartbeat_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
+        if self.join_timeout < 0 or self.heartbeat_timeout <= 0:
+            raise ValueError(
+                f"join_timeout must be >= 0 and heartbeat_timeout > 0, got "
+                f"{self.join_timeout} and {self.heartbeat_timeout}"
+            )
+
+
+@dataclass(frozen=True)
+class View:
+    """What the rules look at: heartbeats (monotonic seconds), pending requests, the
+    previous quorum and the last quorum_id handed out."""
+
+    heartbeats: Mapping[str, float] = field(default_factory=dict)
+    pending: Mapping[str, Pending] = field(default_factory=dict)
+    previous: Quorum | None = None
+    quorum_id: int = 0
+
+
+class Rule(str, enum.Enum):
+    """Which rule produced a decision; also the label of the decisions metric."""
+
+    FAST_PATH = "fast_path"
+    FORMED = "formed"
+    FORMED_AFTER_JOIN_TIMEOUT = "formed_after_join_timeout"
+    NO_PARTICIPANTS = "no_participants"
+    WAIT_MIN_REPLICAS = "wait_min_replicas"
+    WAIT_MAJORITY = "wait_majority"
+    WAIT_STRAGGLERS = "wait_stragglers"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Outcome of one evaluation.
+
+    ``members`` is the sorted member list when a quorum forms, else ``None``.
+    ``quorum_id`` is the id the formed quorum carries (unchanged when waiting).
+    ``next_check`` is the monotonic time at which the decision could change with no new
+    input (a heartbeat expiring, the join timeout passing); ``None`` when only new input
+    can change it.
+    """
+
+    rule: Rule
+    reason: str
+    members: tuple[Member, ...] | None = None
+    quorum_id: int = 0
+    next_check: float | None = None
+
+    @property
+    def formed(self) -> bool:
+        return self.members is not None
+
+
+def healthy_replicas(now: float, view: View, options: Options) -> set[str]:
+    """Replicas heard from within ``heartbeat_timeout``, plus every pending requester."""
+    # Written as ``last + timeout > now`` (not ``last > now - timeout``) so that it is the
+    # exact float expression _expiry_check reports as next_check: decided at that
+    # next_check, the heartbeat has expired, never reported again as next_check == now.
+    timeout = options.heartbeat_timeout
+    healthy = {rid for rid, last in view.heartbeats.items() if last + timeout > now}
+    healthy.update(view.pending)
+    return healthy
+
+
+def next_quorum_id(previous: Quorum | None, quorum_id: int, members: tuple[Member, ...]) -> int:
+    """Rule 5: a new id when membership changed or anyone reports commit failures."""
+    if previous is None or previous.replica_ids != tuple(m.replica_id for m in members):
+        return quorum_id + 1
+    if any(m.commit_failures > 0 for m in members):
+        return quorum_id + 1
+    return quorum_id
+
+
+def _expiry_check(now: float, view: View, options: Options, healthy: set[str]) -> float | None:
+    """Earliest time a healthy non-participant's heartbeat expires (changes rule 3/4)."""
+    times = [
+        view.heartbeats[rid] + options.heartbeat_timeout
+        for rid in healthy
+        if rid not in view.pending and rid in view.heartbeats
+    ]
+    return min(times) if times else None
+
+
+def _min_time(*times: float | None) -> float | None:
+    present = [t for t in times if t is not None]
+    return min(present) if present else None
+
+
+def decide(now: float, view: View, options: Options) -> Decision:
+    """Apply the rules once. Pure: same inputs, same decision."""
+    pending = view.pending
+    healthy = healthy_replicas(now, view, options)
+    previous = view.previous
+    prev_ids = set(previous.replica_ids) if previous is not None else set()
+    shrink_only = any(p.member.shrink_only for p in pending.values())
+
+    candidates = list(pending)
+    restricted = False
+    shrinking = False
+    if shrink_only and previous is not None:
+        kept = [rid for rid in candidates if rid in prev_ids]
+        # Shrink-only keeps newcomers out, but only relative to a previous quorum that
+        # still has someone asking; with nobody from it left there is nothing to shrink.
+        if kept:
+            shrinking = True
+            restricted = len(kept) != len(candidates)
+            candidates = kept
+    candidates.sort()
+    n = len(candidates)
+    tag = (
+        f"[{n} candidates, {len(pending)} participating, {len(healthy)} healthy, "
+        f"shrink_only={shrink_only}{', newcomers held back' if restricted else ''}]"
+    )
+
+    if not pending:
+        return Decision(Rule.NO_PARTICIPANTS, f"no quorum requests pending {tag}", quorum_id=view.quorum_id)
+
+    def formed(rule: Rule, why: str) -> Decision:
+        members = tuple(pending[rid].member for rid in candidates)
+        qid = next_quorum_id(previous, view.quorum_id, members)
+        change = "same members" if qid == view.quorum_id else f"quorum_id {view.quorum_id} -> {qid}"
+        return Decision(rule, f"{why}; {change} {tag}", members=members, quorum_id=qid)
+
+    expiry = _expiry_check(now, view, options, healthy)
+
+    if n < options.min_replicas:
+        return Decision(
+            Rule.WAIT_MIN_REPLICAS,
+            f"waiting: {n} candidate(s), need min_replicas={options.min_replicas} {tag}",
+            quorum_id=view.quorum_id,
+            next_check=expiry,
+        )
+
+    if previous is not None and prev_ids and prev_ids.issubset(pending):
+        return formed(Rule.FAST_PATH, "fast path: every member of the previous quorum is asking")
+
+    # Rule 3 counts participants (every pending requester, as torchft does), not only
+    # the candidates: newcomers held back by shrink_only are still asking and must not
+    # count against the quorum, or it would wait forever for them to go away.
+    if 2 * len(pending) <= len(healthy):
+        return Decision(
+            Rule.WAIT_MAJORITY,
+            f"waiting: {len(pending)} participant(s) are not more than half of {len(healthy)} healthy replicas "
+            f"(split-brain guard) {tag}",
+            quorum_id=view.quorum_id,
+            next_check=expiry,
+        )
+
+    # While shrink_only is in force only previous members could still join: do not wait
+    # for a healthy newcomer that would be held back anyway.
+    stragglers = sorted(
+        rid for rid in healthy if rid not in pending and (not shrinking or rid in prev_ids)
+    )
+    if stragglers:
+        first_joined = min(pending[rid].joined for rid in candidates)
+        deadline = first_joined + options.join_timeout
+        if now < deadline:
+            shown = ", ".join(stragglers[:5]) + (" ..." if len(stragglers) > 5 else "")
+            return Decision(
+                Rule.WAIT_STRAGGLERS,
+                f"valid quorum of {n}, waiting up to {deadline - now:.3f}s for "
+                f"{len(stragglers)} healthy straggler(s) ({shown}) {tag}",
+                quorum_id=view.quorum_id,
+                next_check=_min_time(deadline, expiry),
+            )
+        return formed(
+            Rule.FORMED_AFTER_JOIN_TIMEOUT,
+            f"formed without {len(stragglers)} straggler(s) after join_timeout",
+        )
+    return formed(Rule.FORMED, "formed: every healthy replica is asking")
+
+
+def forgettable(now: float, heartbeats: Mapping[str, float], pending: Mapping[str, Pending], horizon: float) -> list[str]:
+    """Replicas silent for longer than ``horizon`` seconds and not waiting: safe to
+    drop from memory so state and /status stay small when many ids come and go."""
+    limit = now - horizon
+    return [rid for rid, last in heartbeats.items() if last < limit and rid not in pending]

@@ -1,0 +1,458 @@
+"""The lighthouse service: torchft's ``LighthouseService`` plus rallypoint's ``Attach``
+liveness stream over one grpc.aio server, and the HTTP dashboard on the same loop.
+
+The server is a thin shell: requests are validated (:mod:`validate`), handed to
+:class:`~rallypoint.lighthouse.core.LighthouseCore`, and the decision is the pure
+:func:`~rallypoint.lighthouse.quorum.decide`. :class:`LighthouseServer` runs all of it
+in a background thread with its own event loop, mirroring torchft's
+``LighthouseServer(bind, min_replicas, ...)`` so it can be embedded in tests and jobs;
+``rallypoint lighthouse`` runs the same class as a service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+from typing import Any
+
+import grpc
+
+from rallypoint import __version__
+from rallypoint._proto import rallypoint_pb2 as rpb
+from rallypoint._proto import torchft_pb2 as pb
+from rallypoint.lighthouse import addr as addrs
+from rallypoint.lighthouse import validate
+from rallypoint.lighthouse.core import LighthouseCore, ReplicaDead, _Attachment
+from rallypoint.lighthouse.metrics import LighthouseMetrics
+from rallypoint.lighthouse.quorum import Options
+from rallypoint.lighthouse.state import StateStore
+
+log = logging.getLogger("rallypoint.lighthouse")
+
+DEFAULT_BIND = "[::]:29510"
+DEFAULT_HTTP_PORT = 29511
+DEFAULT_JOIN_TIMEOUT_MS = 60_000
+DEFAULT_HEARTBEAT_TIMEOUT_MS = 5_000
+# A stream must say hello promptly, or it is a confused client holding a slot.
+HELLO_TIMEOUT_S = 10.0
+KILL_TIMEOUT_S = 10.0
+
+AUTH_HINT = (
+    "missing or wrong bearer token: pass gRPC metadata 'authorization: Bearer <token>' "
+    "(set RALLYPOINT_TOKEN for rallypoint clients; it must match the lighthouse's --token)"
+)
+
+_GRPC_OPTIONS = [
+    # Without this, gRPC on Linux lets a second server bind the same port silently.
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+def _raw(payload: Any) -> bytes:
+    """Responses pre-serialized once per quorum pass through; others serialize."""
+    return payload if isinstance(payload, bytes) else payload.SerializeToString()
+
+
+class _Auth(grpc.aio.ServerInterceptor):
+    """Refuses every call without ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str, metrics: LighthouseMetrics) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._metrics = metrics
+
+    async def intercept_service(self, continuation, details):  # type: ignore[override]
+        got = ""
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                got = value if isinstance(value, str) else value.decode("utf-8", "replace")
+        if hmac.compare_digest(got.encode(), self._expected):
+            return await continuation(details)
+        self._metrics.rejected("unauthenticated")
+        log.warning("refused %s: %s", details.method, "no token" if not got else "wrong token")
+
+        async def deny(_request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, AUTH_HINT)
+
+        if details.method.endswith("/Attach"):
+            return grpc.stream_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class _Service:
+    """gRPC handlers; each one validates, then delegates to the core."""
+
+    def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, view: "_View") -> None:
+        self.core = core
+        self.metrics = metrics
+        self.view = view
+
+    async def status(self, _request: rpb.StatusRequest, _context: grpc.aio.ServicerContext) -> rpb.StatusResponse:
+        return rpb.StatusResponse(json=json.dumps(self.view.status()))
+
+    async def kill_replica(
+        self, request: rpb.KillReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> rpb.KillReplicaResponse:
+        try:
+            rid = validate.replica_id(request.replica_id)
+        except validate.InvalidRequest as e:
+            await self._invalid(context, e)
+            raise AssertionError("unreachable")
+        try:
+            address = await self.view.kill(rid, request.reason or "killed via the lighthouse")
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown replica {rid!r}: the lighthouse has no manager address for it")
+            raise AssertionError("unreachable")
+        except Exception as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"could not reach the manager of replica {rid}: {e}")
+            raise AssertionError("unreachable")
+        return rpb.KillReplicaResponse(address=address)
+
+    async def _invalid(self, context: grpc.aio.ServicerContext, err: Exception) -> None:
+        self.metrics.rejected("invalid_argument")
+        log.warning("rejected request from %s: %s", context.peer(), err)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+    async def quorum(self, request: pb.LighthouseQuorumRequest, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            member = validate.quorum_request(request)
+        except validate.InvalidRequest as e:
+            await self._invalid(context, e)
+            raise AssertionError("unreachable")
+        log.debug("[%s] quorum request at step %d", member.replica_id, member.step)
+        try:
+            return await self.core.request_quorum(member)
+        except ReplicaDead as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise AssertionError("unreachable")
+
+    async def heartbeat(
+        self, request: pb.LighthouseHeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LighthouseHeartbeatResponse:
+        try:
+            rid = validate.replica_id(request.replica_id)
+        except validate.InvalidRequest as e:
+            await self._invalid(context, e)
+            raise AssertionError("unreachable")
+        self.core.heartbeat(rid)
+        return pb.LighthouseHeartbeatResponse()
+
+    async def attach(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
+        """Hold a replica's liveness stream; its end without a goodbye is a crash."""
+        try:
+            first = await asyncio.wait_for(context.read(), HELLO_TIMEOUT_S)
+        except TimeoutError:
+            await self._invalid(context, validate.InvalidRequest(f"no hello within {HELLO_TIMEOUT_S:.0f}s"))
+            return
+        if first is grpc.aio.EOF or not first.HasField("hello"):
+            await self._invalid(context, validate.InvalidRequest("the first Attach message must be a hello"))
+            return
+        try:
+            rid = validate.replica_id(first.hello.replica_id, "hello.replica_id")
+        except validate.InvalidRequest as e:
+            await self._invalid(context, e)
+            return
+        att = self.core.attach(rid, first.hello.address)
+        log.info("[%s] liveness stream attached from %s", rid, context.peer())
+        clean, reason = False, "connection lost"
+        reader = asyncio.ensure_future(self._read(context, att))
+        try:
+            await context.write(self.core.welcome())
+            while True:
+                push = asyncio.ensure_future(att.outbox.get())
+                done, _ = await asyncio.wait({reader, push}, return_when=asyncio.FIRST_COMPLETED)
+                if push in done:
+                    await context.write(push.result())
+                    continue
+                push.cancel()
+                clean, reason = reader.result()
+                break
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the write side broke: the peer is gone
+            reason = f"stream error: {e!r}"
+        finally:
+            reader.cancel()
+            self.core.detach(att, clean=clean, reason=reason)
+
+    async def _read(self, context: grpc.aio.ServicerContext, att: _Attachment) -> tuple[bool, str]:
+        while True:
+            try:
+                msg = await context.read()
+            except Exception as e:
+                return False, f"connection lost: {e!r}"
+            if msg is grpc.aio.EOF:
+                return False, "stream closed without a goodbye"
+            if msg.HasField("goodbye"):
+                return True, msg.goodbye.reason or "goodbye"
+            self.core.heartbeat(att.replica_id)
+
+
+def _handlers(service: _Service) -> list[grpc.GenericRpcHandler]:
+    lighthouse = grpc.method_handlers_generic_handler(
+        "torchft.LighthouseService",
+        {
+            "Quorum": grpc.unary_unary_rpc_method_handler(
+                service.quorum,
+                request_deserializer=pb.LighthouseQuorumRequest.FromString,
+                response_serializer=_raw,
+            ),
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(
+                service.heartbeat,
+                request_deserializer=pb.LighthouseHeartbeatRequest.FromString,
+                response_serializer=_raw,
+            ),
+        },
+    )
+    extension = grpc.method_handlers_generic_handler(
+        "rallypoint.RallypointLighthouse",
+        {
+            "Attach": grpc.stream_stream_rpc_method_handler(
+                service.attach,
+                request_deserializer=rpb.AttachRequest.FromString,
+                response_serializer=_raw,
+            ),
+            "Status": grpc.unary_unary_rpc_method_handler(
+                service.status,
+                request_deserializer=rpb.StatusRequest.FromString,
+                response_serializer=_raw,
+            ),
+            "KillReplica": grpc.unary_unary_rpc_method_handler(
+                service.kill_replica,
+                request_deserializer=rpb.KillReplicaRequest.FromString,
+                response_serializer=_raw,
+            ),
+        },
+    )
+    return [lighthouse, extension]
+
+
+class _View:
+    """What the HTTP app sees (called on the loop thread)."""
+
+    def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, token: str | None) -> None:
+        self.core = core
+        self._metrics = metrics
+        self._token = token
+
+    def status(self) -> dict:
+        s = self.core.status()
+        s["lighthouse"] = {"version": __version__, "started": self.core.started, "state_path": self.core.store.path}
+        return s
+
+    def events(self, limit: int, since_id: int | None, replica_id: str | None) -> list[dict]:
+        return [
+            {"id": e.id, "time": e.time, "kind": e.kind, "replica_id": e.replica_id, "detail": e.detail}
+            for e in self.core.store.events(limit=limit, since_id=since_id, replica_id=replica_id)
+        ]
+
+    def metrics(self) -> bytes:
+        return self._metrics.render()
+
+    async def kill(self, replica_id: str, reason: str) -> str:
+        address = self.core.manager_address(replica_id)
+        if not address:
+            raise KeyError(replica_id)
+        self.core.store.record_event("kill", replica_id, reason=reason, address=address)
+        log.warning("[%s] forwarding Kill to its manager at %s: %s", replica_id, address, reason)
+        metadata = [("authorization", f"Bearer {self._token}")] if self._token else None
+        async with grpc.aio.insecure_channel(addrs.grpc_target(address)) as channel:
+            call = channel.unary_unary(
+                "/torchft.ManagerService/Kill",
+                request_serializer=_raw,
+                response_deserializer=pb.KillResponse.FromString,
+            )
+            try:
+                await call(pb.KillRequest(msg=reason), timeout=KILL_TIMEOUT_S, metadata=metadata)
+            except grpc.aio.AioRpcError as e:
+                raise ConnectionError(f"manager at {address} answered {e.code().name}: {e.details()}") from None
+        return address
+
+
+class LighthouseServer:
+    """A lighthouse running in a background thread (torchft's constructor, plus ours).
+
+    ``state`` is ``":memory:"`` by default here (embedding in tests and jobs); the
+    ``rallypoint lighthouse`` command defaults to a file. ``http_bind`` enables the
+    dashboard/status/metrics app (``None``: off). Raises at construction if the port is
+    taken or the state file is held by another lighthouse.
+    """
+
+    def __init__(
+        self,
+        bind: str = DEFAULT_BIND,
+        min_replicas: int = 1,
+        join_timeout_ms: int | None = None,
+        quorum_tick_ms: int | None = None,
+        heartbeat_timeout_ms: int | None = None,
+        *,
+        http_bind: str | None = None,
+        state: str = ":memory:",
+        token: str | None = None,
+        forget_after_ms: int | None = None,
+        startup_timeout: float = 30.0,
+    ) -> None:
+        self._options = Options(
+            min_replicas=min_replicas,
+            join_timeout=(join_timeout_ms if join_timeout_ms is not None else DEFAULT_JOIN_TIMEOUT_MS) / 1000,
+            heartbeat_timeout=(heartbeat_timeout_ms if heartbeat_timeout_ms is not None else DEFAULT_HEARTBEAT_TIMEOUT_MS)
+            / 1000,
+        )
+        if quorum_tick_ms is not None and quorum_tick_ms <= 0:
+            raise ValueError(f"quorum_tick_ms must be > 0, got {quorum_tick_ms}")
+        self._bind = addrs.grpc_target(bind)
+        self._http_bind = http_bind
+        self._tick = quorum_tick_ms / 1000 if quorum_tick_ms else None
+        self._forget_after = forget_after_ms / 1000 if forget_after_ms else None
+        self._token = token or None
+        self._state_path = state
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._port = 0
+        self._http_address: str | None = None
+        self.core: LighthouseCore | None = None
+        self._thread = threading.Thread(target=self._thread_main, name="rallypoint-lighthouse", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(startup_timeout):
+            raise TimeoutError(f"lighthouse did not start within {startup_timeout}s on {self._bind}")
+        if self._error is not None:
+            self._thread.join(5)
+            raise self._error
+
+    # ------------------------------------------------------------------ thread
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # surfaced to the constructor or logged
+            if not self._ready.is_set():
+                self._error = e
+                self._ready.set()
+            else:
+                log.exception("lighthouse loop crashed")
+
+    async def _main(self) -> None:
+        from rallypoint.lighthouse.http import HttpService, create_app
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        host, _ = addrs.split_host_port(self._bind)
+        if self._token is None and not addrs.is_loopback(host):
+            log.warning(
+                "lighthouse bound to %s without a token: anyone who can reach it can join or "
+                "kill replicas; pass --token or set RALLYPOINT_TOKEN",
+                self._bind,
+            )
+        store = StateStore(self._state_path)
+        metrics = LighthouseMetrics()
+        http = None
+        try:
+            core = LighthouseCore(self._options, store, metrics, quorum_tick=self._tick, forget_after=self._forget_after)
+            self.core = core
+            interceptors = [_Auth(self._token, metrics)] if self._token else []
+            server = grpc.aio.server(options=_GRPC_OPTIONS, interceptors=interceptors)
+            view = _View(core, metrics, self._token)
+            server.add_generic_rpc_handlers(_handlers(_Service(core, metrics, view)))
+            try:
+                port = server.add_insecure_port(self._bind)
+            except RuntimeError as e:
+                raise OSError(f"cannot bind the lighthouse to {self._bind}: {e}") from None
+            if not port:
+                raise OSError(f"cannot bind the lighthouse to {self._bind} (address in use?)")
+            self._port = port
+            await server.start()
+            core.start()
+            if self._http_bind:
+                http = HttpService(create_app(view, self._token), self._http_bind)
+                await http.start()
+                self._http_address = http.address()
+            log.info(
+                "lighthouse %s listening on %s (gRPC)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs state=%s",
+                __version__,
+                self.address(),
+                f", {self._http_address} (HTTP)" if self._http_address else "",
+                self._options.min_replicas,
+                self._options.join_timeout,
+                self._options.heartbeat_timeout,
+                store.path,
+            )
+            self._ready.set()
+            await self._stop.wait()
+            log.info("lighthouse shutting down")
+            await core.stop()
+            await server.stop(grace=1.0)
+        finally:
+            if http is not None:
+                await http.stop()
+            store.close()
+
+    # ------------------------------------------------------------------ API
+    def address(self) -> str:
+        """``http://host:port`` of the gRPC service (torchft's spelling)."""
+        host, _ = addrs.split_host_port(self._bind)
+        return f"http://{addrs.join_host_port(addrs.advertised_host(host), self._port)}"
+
+    def local_address(self) -> str:
+        """A loopback address of the gRPC service, for clients on this machine."""
+        host, _ = addrs.split_host_port(self._bind)
+        if addrs.is_wildcard(host):
+            host = "::1" if host in ("::", "[::]") and _has_ipv6() else "127.0.0.1"
+        return f"http://{addrs.join_host_port(host, self._port)}"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def http_address(self) -> str | None:
+        return self._http_address
+
+    def status(self, timeout: float = 5.0) -> dict:
+        """A snapshot of the lighthouse state (what ``GET /status`` returns)."""
+        return self._call(lambda: self.core.status(), timeout)  # type: ignore[union-attr]
+
+    def _call(self, fn: Any, timeout: float) -> Any:
+        assert self._loop is not None
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop serving; pending Quorum calls fail with UNAVAILABLE. Idempotent."""
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:
+                pass
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("lighthouse thread did not stop within %.1fs", timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server stops (for the CLI); True when it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def __enter__(self) -> "LighthouseServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _has_ipv6() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,107 @@
+"""Validation of what arrives over the wire, before it can touch lighthouse state.
+
+Each check raises :class:`InvalidRequest` with a message naming the field, so the
+server answers INVALID_ARGUMENT and the caller knows exactly what to fix.
+"""
+
+from __future__ import annotations
+
+import json
+
+from rallypoint._proto import torchft_pb2 as pb
+from rallypoint.lighthouse.quorum import Member
+
+MAX_REPLICA_ID_BYTES = 256
+MAX_DATA_BYTES = 64 * 1024
+MAX_ADDRESS_BYTES = 1024
+# Steps and counters beyond 2**62 are certainly garbage (and break JSON consumers).
+MAX_COUNTER = 2**62
+
+
+class InvalidRequest(ValueError):
+    """A request field is malformed; the message names the field."""
+
+
+def replica_id(value: str, field: str = "replica_id") -> str:
+    """A replica id is 1..256 bytes of printable text (it appears in logs and URLs)."""
+    if not value:
+        raise InvalidRequest(f"{field} is empty: every replica needs a stable, non-empty id")
+    size = len(value.encode("utf-8"))
+    if size > MAX_REPLICA_ID_BYTES:
+        raise InvalidRequest(f"{field} is {size} bytes long; the limit is {MAX_REPLICA_ID_BYTES}")
+    if not value.isprintable():
+        raise InvalidRequest(f"{field} {value!r} contains non-printable characters")
+    return value
+
+
+def _counter(value: int, field: str) -> int:
+    if value < 0:
+        raise InvalidRequest(f"{field} must be >= 0, got {value}")
+    if value > MAX_COUNTER:
+        raise InvalidRequest(f"{field} is implausibly large: {value}")
+    return value
+
+
+def _address(value: str, field: str) -> str:
+    if len(value.encode("utf-8")) > MAX_ADDRESS_BYTES:
+        raise InvalidRequest(f"{field} is longer than {MAX_ADDRESS_BYTES} bytes")
+    if value and not value.isprintable():
+        raise InvalidRequest(f"{field} {value!r} contains non-printable characters")
+    return value
+
+
+def data(value: str, field: str = "requester.data") -> str:
+    """``data`` is empty or a JSON document of at most 64 KiB."""
+    if not value:
+        return value
+    size = len(value.encode("utf-8"))
+    if size > MAX_DATA_BYTES:
+        raise InvalidRequest(f"{field} is {size} bytes; the limit is {MAX_DATA_BYTES} (64 KiB)")
+    try:
+        json.loads(value)
+    except ValueError as e:
+        raise InvalidRequest(f"{field} is not valid JSON: {e}") from None
+    return value
+
+
+def quorum_request(request: pb.LighthouseQuorumRequest) -> Member:
+    """Check a LighthouseQuorumRequest and convert its requester to a :class:`Member`."""
+    if not request.HasField("requester"):
+        raise InvalidRequest("requester is missing: a Quorum request must say who is asking")
+    r = request.requester
+    return Member(
+        replica_id=replica_id(r.replica_id, "requester.replica_id"),
+        address=_address(r.address, "requester.address"),
+        store_address=_address(r.store_address, "requester.store_address"),
+        step=_counter(r.step, "requester.step"),
+        world_size=_counter(r.world_size, "requester.world_size"),
+        shrink_only=r.shrink_only,
+        commit_failures=_counter(r.commit_failures, "requester.commit_failures"),
+        data=data(r.data),
+    )
+
+
+def member_to_pb(m: Member) -> pb.QuorumMember:
+    return pb.QuorumMember(
+        replica_id=m.replica_id,
+        address=m.address,
+        store_address=m.store_address,
+        step=m.step,
+        world_size=m.world_size,
+        shrink_only=m.shrink_only,
+        commit_failures=m.commit_failures,
+        data=m.data,
+    )
+
+
+def member_from_pb(p: pb.QuorumMember) -> Member:
+    return Member(
+        replica_id=p.replica_id,
+        address=p.address,
+        store_address=p.store_address,
+        step=p.step,
+        world_size=p.world_size,
+        shrink_only=p.shrink_only,
+        commit_failures=p.commit_failures,
+        data=p.data,
+    )
