@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "LighthouseServer": "rallypoint.lighthouse.server:LighthouseServer",
     "LighthouseClient": "rallypoint.lighthouse.client:LighthouseClient",
+    "LivenessStream": "rallypoint.lighthouse.client:LivenessStream",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,0 +1,534 @@
+"""The lighthouse's HTTP face: status JSON, Prometheus metrics, events, a dashboard, kill.
+
+The FastAPI app is served by uvicorn *inside the lighthouse's own asyncio event loop*,
+next to the gRPC server. That is the point of this module's shape:
+
+* the view (:class:`LighthouseView`, implemented by the gRPC server) is only ever called
+  on the loop thread, so it reads the quorum state without locks and without copying
+  it across threads;
+* :class:`HttpService` binds its socket itself (so IPv6 brackets, dual stack and port 0
+  behave the same as for the gRPC port and a bind error names the address) and never
+  lets uvicorn touch process signals or logging configuration: the lighthouse owns both.
+
+Read-only routes stay open; the one mutating route (kill) needs the lighthouse's bearer
+token when one is configured, because killing a replica costs the job a recovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hmac
+import json
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+import uvicorn
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from rallypoint.lighthouse.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+
+logger = logging.getLogger("rallypoint.lighthouse.http")
+
+#: Where the dashboard lives: a file next to this module (shipped as package data),
+#: read once. A path rather than importlib.resources because ``rallypoint.lighthouse``
+#: may be a namespace package, and a plain path works for both layouts.
+DASHBOARD_PATH = Path(__file__).with_name("static") / "dashboard.html"
+
+#: The reason sent to a manager when the kill request names none.
+DEFAULT_KILL_REASON = "killed through the lighthouse HTTP API"
+
+#: Kill request bodies are tiny; anything bigger is a mistake or abuse.
+MAX_KILL_BODY_BYTES = 64 * 1024
+MAX_REASON_CHARS = 4096
+
+#: How long a kill may wait for the manager. The view's own RPC should time out first;
+#: this is the backstop so one stuck manager never pins an HTTP request forever.
+KILL_TIMEOUT_S = 30.0
+
+#: How long :meth:`HttpService.start` waits for uvicorn to report it is serving.
+START_TIMEOUT_S = 10.0
+
+#: Poll period while waiting for uvicorn's ``started`` flag (uvicorn has no event for it).
+_START_POLL_S = 0.005
+
+AUTH_HELP = (
+    "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
+    "(the lighthouse's --token / RALLYPOINT_TOKEN)"
+)
+
+
+class LighthouseView(Protocol):
+    """What the HTTP app needs from the lighthouse; implemented by the gRPC server.
+
+    All methods are called on the event-loop thread, so implementations may read
+    their state directly.
+    """
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-able snapshot: quorum, replicas, last decision, options, lighthouse."""
+        ...
+
+    def events(self, limit: int, since_id: int | None, replica_id: str | None) -> list[dict[str, Any]]:
+        """Recent events, newest last or first as the server chooses, at most ``limit``."""
+        ...
+
+    def metrics(self) -> bytes:
+        """Prometheus text exposition."""
+        ...
+
+    async def kill(self, replica_id: str, reason: str) -> str:
+        """Forward Kill to the replica's manager and return the manager address.
+
+        Raises ``KeyError(replica_id)`` for an unknown replica; any other exception
+        means the manager could not be reached.
+        """
+        ...
+
+
+@lru_cache(maxsize=1)
+def _dashboard_html() -> str:
+    """The dashboard page, read once: it is static and the lighthouse may run for weeks."""
+    return DASHBOARD_PATH.read_text(encoding="utf-8")
+
+
+def _bearer_token(header: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (scheme case-insensitive)."""
+    if not header:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return value.strip() or None
+
+
+async def _kill_reason(request: Request) -> str:
+    """The reason of an optional ``{"reason": "..."}`` body.
+
+    Parsed by hand, after the token check, so an unauthenticated caller always gets
+    401 (never a 422 that would tell it about the body format first), and an empty
+    body, ``null`` or ``{}`` all mean "no reason given".
+    """
+    raw = await request.body()
+    if len(raw) > MAX_KILL_BODY_BYTES:
+        raise HTTPException(
+            status_code=413, detail=f"kill body too large ({len(raw)} bytes, at most {MAX_KILL_BODY_BYTES})"
+        )
+    if not raw.strip():
+        return DEFAULT_KILL_REASON
+    try:
+        data = json.loads(raw)
+    except ValueError:  # includes UnicodeDecodeError
+        raise HTTPException(
+            status_code=422, detail='kill body must be JSON like {"reason": "..."} (or empty)'
+        ) from None
+    if data is None:
+        return DEFAULT_KILL_REASON
+    if not isinstance(data, dict):
+        raise HTTPException(status_code=422, detail='kill body must be a JSON object like {"reason": "..."}')
+    reason = data.get("reason")
+    if reason is None or reason == "":
+        return DEFAULT_KILL_REASON
+    if not isinstance(reason, str):
+        raise HTTPException(status_code=422, detail='"reason" must be a string')
+    if len(reason) > MAX_REASON_CHARS:
+        raise HTTPException(status_code=422, detail=f'"reason" is longer than {MAX_REASON_CHARS} characters')
+    return reason
+
+
+def _client(request: Request) -> str:
+    """``host:port`` of the caller, for log lines about who was refused or who killed."""
+    if request.client is None:
+        return "unknown client"
+    return f"{request.client.host}:{request.client.port}"
+
+
+def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
+    """Build the lighthouse's FastAPI app over ``view``.
+
+    ``token``: when set, POST routes need ``Authorization: Bearer <token>``; GET routes
+    are read-only and stay open so dashboards and Prometheus need no secret.
+    The interactive docs (/docs, /redoc) are off: they load scripts from a CDN, and
+    lighthouses often run on hosts without internet access.
+    """
+    app = FastAPI(
+        title="rallypoint lighthouse",
+        docs_url=None,
+        redoc_url=None,
+    )
+    expected = token.encode("utf-8") if token else None
+
+    async def require_token(request: Request) -> None:
+        """Reject a mutating request without the right bearer token (constant-time compare)."""
+        if expected is None:
+            return
+        given = _bearer_token(request.headers.get("authorization"))
+        if given is None or not hmac.compare_digest(given.encode("utf-8"), expected):
+            logger.warning(
+                "refused %s %s from %s: %s",
+                request.method,
+                request.url.path,
+                _client(request),
+                "wrong bearer token" if given is not None else "no bearer token",
+            )
+            raise HTTPException(
+                status_code=401,
+                detail=AUTH_HELP,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def dashboard() -> HTMLResponse:
+        """The self-contained dashboard; it polls /status and /events."""
+        return HTMLResponse(_dashboard_html(), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/status")
+    async def status() -> JSONResponse:
+        """The view's status snapshot, passed through unchanged."""
+        return JSONResponse(view.status(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus scrape endpoint."""
+        return Response(view.metrics(), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/events")
+    async def events(
+        limit: int = Query(100, ge=1, le=1000, description="at most this many events"),
+        # A string so that an empty "since_id=" (what a form or a naive client sends)
+        # means "no filter" instead of a 422; anything non-numeric is still a 422.
+        since_id: str | None = Query(None, pattern=r"^\s*-?\d*\s*$", description="only events after this id"),
+        replica_id: str | None = Query(None, description="only events about this replica"),
+    ) -> JSONResponse:
+        """Recent events from the lighthouse's event log."""
+        since = int(since_id) if since_id is not None and since_id.strip() else None
+        return JSONResponse(
+            view.events(limit=limit, since_id=since, replica_id=replica_id or None),
+            headers={"Cache-Control": "no-store"},
+        )
+
+    # `:path` so replica ids with ':' or '/' (host:pid, job/group) still route; the
+    # trailing "/kill" anchors the match.
+    @app.post(
+        "/replica/{replica_id:path}/kill",
+        dependencies=[Depends(require_token)],
+        openapi_extra={
+            "requestBody": {
+                "required": False,
+                "content": {
+                    "application/json": {
+                        "schema": {"type": "object", "properties": {"reason": {"type": "string"}}}
+                    }
+                },
+            }
+        },
+    )
+    async def kill(replica_id: str, request: Request) -> JSONResponse:
+        """Ask the replica's manager to exit; the job then heals without it.
+
+        Body (optional): ``{"reason": "..."}``, forwarded to the manager and logged.
+        """
+        reason = await _kill_reason(request)
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(KILL_TIMEOUT_S):
+                address = await view.kill(replica_id, reason)
+        except KeyError:
+            logger.info("kill of unknown replica %r requested by %s", replica_id, _client(request))
+            raise HTTPException(
+                status_code=404,
+                detail=(
+                    f"unknown replica {replica_id!r}: the lighthouse has no replica with "
+                    "this id (GET /status lists the known replicas)"
+                ),
+            ) from None
+        except TimeoutError:
+            logger.warning(
+                "kill of replica %r: its manager did not answer within %.0f s", replica_id, KILL_TIMEOUT_S
+            )
+            raise HTTPException(
+                status_code=502,
+                detail=(
+                    f"could not kill replica {replica_id!r}: its manager did not answer "
+                    f"within {KILL_TIMEOUT_S:.0f} s; check that the manager process is alive"
+                ),
+            ) from None
+        except Exception as exc:  # the view's contract: anything else = manager unreachable
+            logger.warning("kill of replica %r failed: %s: %s", replica_id, type(exc).__name__, exc)
+            raise HTTPException(
+                status_code=502,
+                detail=(
+                    f"could not kill replica {replica_id!r}: its manager could not be "
+                    f"reached: {type(exc).__name__}: {exc}"
+                ),
+            ) from None
+        logger.warning(
+            "killed replica %r (manager %s) on request of %s in %.3f s: %s",
+            replica_id,
+            address,
+            _client(request),
+            time.monotonic() - started,
+            reason,
+        )
+        return JSONResponse({"replica_id": replica_id, "address": address, "reason": reason})
+
+    return app
+
+
+# --------------------------------------------------------------------------- serving
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn.Server that leaves process signals alone.
+
+    uvicorn >= 0.29 swaps SIGINT/SIGTERM handlers in ``capture_signals()`` around
+    ``serve()`` (and re-raises captured signals afterwards); older versions used
+    ``install_signal_handlers()``. Both are neutralised: the lighthouse owns signals
+    and stops this server through :meth:`HttpService.stop`.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:
+        return None
+
+
+def _parse_bind(bind: str) -> tuple[str, int]:
+    """Split ``host:port`` / ``[v6]:port`` / ``http://host:port`` into (host, port).
+
+    The host comes back without brackets; an empty host or ``*`` means every interface.
+    """
+    text = bind.strip()
+    for prefix in ("http://", "HTTP://"):
+        if text.startswith(prefix):
+            text = text[len(prefix) :]
+    if text.lower().startswith("https://"):
+        raise ValueError(f"bind {bind!r}: the lighthouse HTTP endpoint serves plain http, not https")
+    text = text.rstrip("/")
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"bind {bind!r}: expected '[ipv6]:port', e.g. '[::]:29511'")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"bind {bind!r}: expected 'host:port', e.g. '0.0.0.0:29511' or '[::]:29511'")
+        if ":" in host:
+            raise ValueError(f"bind {bind!r}: put an IPv6 address in brackets, e.g. '[::1]:29511'")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"bind {bind!r}: port {port_text!r} is not a number") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"bind {bind!r}: port {port} is out of range 0..65535")
+    if host == "*":
+        host = ""
+    return host, port
+
+
+def _open_socket(family: int, sockaddr: tuple[Any, ...], dual_stack: bool) -> socket.socket:
+    """A bound, listening, non-blocking TCP socket."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if hasattr(socket, "SO_REUSEADDR") and not hasattr(socket, "SO_EXCLUSIVEADDRUSE"):
+            # POSIX: rebind right after a restart despite TIME_WAIT. (Not on Windows,
+            # where SO_REUSEADDR would let two processes share the port.)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            # Wildcard "[::]" serves IPv4 too; a specific v6 address only itself.
+            with contextlib.suppress(OSError, AttributeError):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if dual_stack else 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _bind_socket(bind: str, host: str, port: int) -> socket.socket:
+    """Bind ``host:port``; raise OSError naming ``bind`` and what to do on failure."""
+    candidates: list[tuple[int, tuple[Any, ...], bool]] = []
+    if host in ("", "::"):
+        # Every interface: dual-stack IPv6, or IPv4 only where the host has no IPv6.
+        if socket.has_ipv6:
+            candidates.append((socket.AF_INET6, ("::", port), True))
+        candidates.append((socket.AF_INET, ("0.0.0.0", port), False))
+    else:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except socket.gaierror as exc:
+            raise OSError(
+                errno.EADDRNOTAVAIL,
+                f"cannot bind the lighthouse HTTP endpoint to {bind!r}: cannot resolve host "
+                f"{host!r} ({exc.strerror}); use an IP address or a resolvable name",
+            ) from exc
+        seen: set[tuple[int, tuple[Any, ...]]] = set()
+        for family, _type, _proto, _canon, sockaddr in infos:
+            if family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            addr = tuple(sockaddr)
+            if (family, addr) not in seen:
+                seen.add((family, addr))
+                candidates.append((family, addr, False))
+    last: OSError | None = None
+    for family, sockaddr, dual_stack in candidates:
+        try:
+            return _open_socket(family, sockaddr, dual_stack)
+        except OSError as exc:
+            last = exc
+            logger.debug("bind %r: %s failed: %s", bind, sockaddr, exc)
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                break  # another address family would not help (and could hide the clash)
+    code = last.errno if last is not None and last.errno is not None else errno.EADDRNOTAVAIL
+    why = (last.strerror or str(last)) if last is not None else "no usable address"
+    hint = ""
+    if code == errno.EADDRINUSE:
+        hint = "; another process holds this port: stop it or choose another port"
+    elif code == errno.EACCES:
+        hint = "; ports below 1024 need privileges: choose a higher port"
+    raise OSError(code, f"cannot bind the lighthouse HTTP endpoint to {bind!r}: {why}{hint}")
+
+
+class HttpService:
+    """Runs an ASGI app with uvicorn as a task on the *current* asyncio loop.
+
+    Not thread-safe: call :meth:`start` and :meth:`stop` from the loop that serves.
+    """
+
+    def __init__(self, app: FastAPI, bind: str) -> None:
+        self._bind = bind
+        self._host, self._requested_port = _parse_bind(bind)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            # None: do not dictConfig() uvicorn's own handlers; its loggers propagate
+            # to whatever logging the lighthouse set up.
+            log_config=None,
+            ws="none",
+            server_header=False,
+        )
+        self._server = _EmbeddedServer(config)
+        self._sock: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (the real one for port 0), else the requested one."""
+        return self._port if self._port is not None else self._requested_port
+
+    def address(self) -> str:
+        """An ``http://host:port`` a client on this machine can use.
+
+        For a wildcard bind that is the loopback address of the socket's family
+        (127.0.0.1, or [::1] for an IPv6-only socket); otherwise the bound host.
+        """
+        host = self._host
+        if host in ("", "::", "0.0.0.0"):
+            host = "::1" if self._v6_only() else "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def _v6_only(self) -> bool:
+        """Whether the bound socket is IPv6 and refuses IPv4 (so loopback must be ::1)."""
+        sock = self._sock
+        if sock is None or sock.family != socket.AF_INET6:
+            return False
+        try:
+            return bool(sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY))
+        except (OSError, AttributeError):
+            return False
+
+    async def start(self) -> None:
+        """Bind, start uvicorn on this loop, and return once it accepts connections.
+
+        Raises OSError (naming the bind address) when the socket cannot be bound, and
+        RuntimeError when uvicorn stops or does not come up within START_TIMEOUT_S.
+        """
+        if self._task is not None:
+            raise RuntimeError(f"HTTP service on {self._bind!r} was already started (it is one-shot)")
+        sock = _bind_socket(self._bind, self._host, self._requested_port)
+        self._sock = sock
+        self._port = int(sock.getsockname()[1])
+        self._task = asyncio.get_running_loop().create_task(
+            self._server.serve(sockets=[sock]), name=f"lighthouse-http[{self._bind}]"
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if self._task.done():
+                exc = None if self._task.cancelled() else self._task.exception()
+                self._cleanup_socket()
+                raise RuntimeError(
+                    f"lighthouse HTTP endpoint on {self._bind!r} stopped while starting: {exc!r}"
+                ) from exc
+            if time.monotonic() > deadline:
+                await self.stop(timeout=1.0)
+                raise RuntimeError(
+                    f"lighthouse HTTP endpoint on {self._bind!r} did not start within {START_TIMEOUT_S:.0f} s"
+                )
+            await asyncio.sleep(_START_POLL_S)
+        self._task.add_done_callback(self._on_done)
+        logger.info("lighthouse HTTP endpoint serving on %s (bind %s)", self.address(), self._bind)
+
+    def _on_done(self, task: asyncio.Task[None]) -> None:
+        """Log if uvicorn ends on its own: the dashboard and metrics are then gone."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            logger.error("lighthouse HTTP endpoint on %s crashed: %r", self._bind, exc, exc_info=exc)
+        elif not self._server.should_exit:
+            logger.warning("lighthouse HTTP endpoint on %s stopped unexpectedly", self._bind)
+
+    def _cleanup_socket(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving: finish in-flight requests for up to half of ``timeout``, then
+        cancel them; returns within ``timeout`` (1 s more if uvicorn must be cancelled).
+
+        Idempotent; a service never started is a no-op. A stopped service cannot be
+        started again (uvicorn servers are one-shot): build a new HttpService.
+        """
+        task = self._task
+        if task is None:
+            return
+        if task.done():
+            self._cleanup_socket()
+            return
+        timeout = max(0.2, float(timeout))
+        # uvicorn's graceful phase: it waits this long for open requests, then cancels them.
+        self._server.config.timeout_graceful_shutdown = max(0.1, timeout / 2)
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=timeout)
+        except TimeoutError:
+            logger.warning(
+                "lighthouse HTTP endpoint on %s did not stop within %.1f s; cancelling it", self.address(), timeout
+            )
+            self._server.force_exit = True
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, timeout=1.0)
+        except Exception as exc:  # the serve task failed; it is over either way
+            logger.warning("lighthouse HTTP endpoint on %s ended with %r", self._bind, exc)
+        finally:
+            self._cleanup_socket()
+        logger.info("lighthouse HTTP endpoint on %s stopped", self.address())

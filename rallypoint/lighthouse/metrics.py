@@ -1,0 +1,169 @@
+"""Prometheus metrics of the lighthouse.
+
+The lighthouse exports what an operator needs to tell a healthy job from a stuck one
+without reading logs: the current quorum (id and size), how long quorums take to form,
+how many replicas are alive / asking / attached, why replicas were declared dead, which
+quorum rule fired, and how many requests were turned away.
+
+Every :class:`LighthouseMetrics` owns its own :class:`prometheus_client.CollectorRegistry`
+instead of the process-global default one: tests (and embedders) run several
+lighthouses in one process, and the global registry refuses a second metric with the
+same name.
+"""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+#: Content type of :meth:`LighthouseMetrics.render`. Pinned to the classic text format
+#: 0.0.4 (what ``generate_latest`` writes) rather than ``CONTENT_TYPE_LATEST``, whose
+#: version changed across prometheus-client releases; every Prometheus scrapes 0.0.4.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Quorum latency buckets, seconds. From 0.5 ms (fast path: every member already
+#: asked, quorum forms on the last request) to 60 s (the default join timeout, when a
+#: round waits for a straggler), roughly 1-2.5-5 per decade so both ends resolve.
+QUORUM_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+)
+
+#: Label values created up front (at zero) so that dashboards and alerts see the series
+#: before the first event, instead of "no data" that is easy to misread as "fine".
+KNOWN_DOWN_REASONS: tuple[str, ...] = ("stream_broken", "goodbye", "heartbeat_expired")
+KNOWN_REJECT_REASONS: tuple[str, ...] = ("invalid_argument", "unauthenticated")
+REPLICA_STATES: tuple[str, ...] = ("healthy", "participating", "attached")
+
+
+class LighthouseMetrics:
+    """Prometheus metrics of one lighthouse, on its own CollectorRegistry.
+
+    Several lighthouses may live in one process (tests), so nothing here touches the
+    global default registry. The methods are cheap and non-blocking; the server calls
+    them on its event-loop thread as things happen.
+    """
+
+    registry: CollectorRegistry
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._quorum_id = Gauge(
+            "rallypoint_lighthouse_quorum_id",
+            "Id of the last quorum formed (increases when membership changes or a member "
+            "reported commit failures).",
+            registry=r,
+        )
+        self._quorum_members = Gauge(
+            "rallypoint_lighthouse_quorum_members",
+            "Number of replica groups in the last quorum formed.",
+            registry=r,
+        )
+        self._quorum_latency = Histogram(
+            "rallypoint_lighthouse_quorum_latency_seconds",
+            "Time from the first Quorum request of a round to the quorum forming.",
+            buckets=QUORUM_LATENCY_BUCKETS,
+            registry=r,
+        )
+        # prometheus_client appends "_total" to counter names on exposition.
+        self._heartbeats = Counter(
+            "rallypoint_lighthouse_heartbeats",
+            "Heartbeats received (a Quorum request also counts as a heartbeat).",
+            registry=r,
+        )
+        self._quorum_requests = Counter(
+            "rallypoint_lighthouse_quorum_requests",
+            "Quorum requests received.",
+            registry=r,
+        )
+        self._decisions = Counter(
+            "rallypoint_lighthouse_decisions",
+            "Quorum rule decisions taken, by rule.",
+            ["rule"],
+            registry=r,
+        )
+        self._replicas = Gauge(
+            "rallypoint_lighthouse_replicas",
+            "Replica groups by state: healthy (recent heartbeat), participating "
+            "(pending Quorum request), attached (open replica stream).",
+            ["state"],
+            registry=r,
+        )
+        self._replica_down = Counter(
+            "rallypoint_lighthouse_replica_down",
+            "Replica groups declared dead, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self._rejected = Counter(
+            "rallypoint_lighthouse_rejected_requests",
+            "Requests turned away, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        for state in REPLICA_STATES:
+            self._replicas.labels(state=state).set(0)
+        for reason in KNOWN_DOWN_REASONS:
+            self._replica_down.labels(reason=reason)
+        for reason in KNOWN_REJECT_REASONS:
+            self._rejected.labels(reason=reason)
+
+    def set_quorum(self, quorum_id: int, members: int) -> None:
+        """Record the quorum just formed (or restored from the state file)."""
+        self._quorum_id.set(quorum_id)
+        self._quorum_members.set(members)
+
+    def observe_quorum_latency(self, seconds: float) -> None:
+        """Record how long a round took, first request to quorum formed.
+
+        A negative value (a clock oddity upstream) is clamped to zero rather than
+        raising: metrics must never break the request path.
+        """
+        self._quorum_latency.observe(max(0.0, float(seconds)))
+
+    def heartbeat(self) -> None:
+        """Count one heartbeat."""
+        self._heartbeats.inc()
+
+    def quorum_request(self) -> None:
+        """Count one Quorum request."""
+        self._quorum_requests.inc()
+
+    def decision(self, rule: str) -> None:
+        """Count one decision of the quorum rules, labelled by the rule that fired."""
+        self._decisions.labels(rule=rule).inc()
+
+    def set_replicas(self, healthy: int, participating: int, attached: int) -> None:
+        """Record the current number of replicas in each state."""
+        self._replicas.labels(state="healthy").set(healthy)
+        self._replicas.labels(state="participating").set(participating)
+        self._replicas.labels(state="attached").set(attached)
+
+    def replica_down(self, reason: str) -> None:
+        """Count one replica declared dead (``stream_broken``, ``goodbye``, ``heartbeat_expired``, ...)."""
+        self._replica_down.labels(reason=reason).inc()
+
+    def rejected(self, reason: str) -> None:
+        """Count one request turned away (``invalid_argument``, ``unauthenticated``, ...)."""
+        self._rejected.labels(reason=reason).inc()
+
+    def render(self) -> bytes:
+        """Prometheus text exposition (format 0.0.4) of this lighthouse's registry."""
+        return prometheus_client.generate_latest(self.registry)
