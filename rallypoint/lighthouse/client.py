@@ -154,7 +154,10 @@ class LighthouseClient:
 def _translate(e: grpc.RpcError, what: str, timeout: float) -> Exception:
     code = e.code() if hasattr(e, "code") else None
     detail = e.details() if hasattr(e, "details") else str(e)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    # torchft's lighthouse enforces the deadline itself and answers CANCELLED
+    # "Timeout expired", racing our own DEADLINE_EXCEEDED: both mean "no quorum in time".
+    timed_out = code == grpc.StatusCode.CANCELLED and "timeout expired" in (detail or "").lower()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or timed_out:
         return TimeoutError(f"{what} timed out after {timeout:.1f}s (no quorum formed in time)")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(f"{what} was rejected: {detail}")

@@ -18,13 +18,21 @@ from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint.lighthouse import quorum as q
 from rallypoint.lighthouse.metrics import LighthouseMetrics
-from rallypoint.lighthouse.state import StateStore
+from rallypoint.lighthouse.state import MEMORY, StateStore
 from rallypoint.lighthouse.validate import member_to_pb
 
 log = logging.getLogger("rallypoint.lighthouse")
 
 # How often expired heartbeats are swept and reported, at most.
 _SWEEP_INTERVAL = 0.5
+# How long a quorum with a new quorum_id waits for the state file before it is answered.
+_PERSIST_TIMEOUT = 2.0
+
+
+def _answer(waiters: list[asyncio.Future], payload: bytes) -> None:
+    for fut in waiters:
+        if not fut.done():
+            fut.set_result(payload)
 
 
 class ReplicaDead(Exception):
@@ -124,6 +132,10 @@ class LighthouseCore:
     # ---------------------------------------------------------------- inputs
     def _alive(self, rid: str, now: float) -> None:
         """Record a sign of life; a replica new to us (or revived) is a join."""
+        if not self.heartbeats and self._wakeup is not None:
+            # The timer sleeps without a timeout while no replica is known; wake it so
+            # the heartbeat sweep (expiry events, forgetting) runs for this one.
+            self._wakeup.set()
         self.heartbeats[rid] = now
         if rid not in self._healthy_seen:
             self._healthy_seen.add(rid)
@@ -254,11 +266,18 @@ class LighthouseCore:
         self.quorum_id = quorum.quorum_id
         self.previous = quorum
         payload = pb.LighthouseQuorumResponse(quorum=quorum_to_pb(quorum)).SerializeToString()
+        waiters: list[asyncio.Future] = []
         for m in quorum.members:
             self.pending.pop(m.replica_id, None)
-            for fut in self._waiters.pop(m.replica_id, []):
-                if not fut.done():
-                    fut.set_result(payload)
+            waiters.extend(self._waiters.pop(m.replica_id, []))
+        if changed and self.store.path != MEMORY:
+            # A new quorum_id is answered only once it is on disk: a lighthouse SIGKILLed
+            # right after answering must not restart from an older id and hand it out
+            # again (quorum_id must never go backwards). The write stays on the state
+            # writer thread; unchanged quorums (the fast path every step) never wait.
+            self._persist_then_answer(quorum, waiters, payload)
+        else:
+            _answer(waiters, payload)
         self.metrics.observe_quorum_latency(max(0.0, now - first_joined))
         self.metrics.set_quorum(quorum.quorum_id, len(quorum.members))
         if changed:
@@ -272,6 +291,21 @@ class LighthouseCore:
                 reason=decision.reason,
             )
         self.store.save_quorum(quorum)
+
+    def _persist_then_answer(self, quorum: q.Quorum, waiters: list[asyncio.Future], payload: bytes) -> None:
+        self.store.save_quorum(quorum)
+        flushed = asyncio.get_running_loop().run_in_executor(None, self.store.flush, _PERSIST_TIMEOUT)
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None or not f.result():
+                log.error(
+                    "quorum %d is not confirmed on disk in %s after %.1fs; answering anyway "
+                    "(a crash now could make a restarted lighthouse reuse an older quorum_id)",
+                    quorum.quorum_id, self.store.path, _PERSIST_TIMEOUT,
+                )
+            _answer(waiters, payload)
+
+        flushed.add_done_callback(done)
 
     def _set_next_check(self, when: float | None) -> None:
         earlier = when is not None and (self._next_check is None or when < self._next_check)

@@ -351,6 +351,8 @@ class LighthouseServer:
         store = StateStore(self._state_path)
         metrics = LighthouseMetrics()
         http = None
+        core: LighthouseCore | None = None
+        server: grpc.aio.Server | None = None
         try:
             core = LighthouseCore(self._options, store, metrics, quorum_tick=self._tick, forget_after=self._forget_after)
             self.core = core
@@ -384,9 +386,13 @@ class LighthouseServer:
             self._ready.set()
             await self._stop.wait()
             log.info("lighthouse shutting down")
-            await core.stop()
-            await server.stop(grace=1.0)
         finally:
+            # Also on a failed start (e.g. the HTTP port is taken): stop the gRPC server
+            # that may already be listening, or its port stays bound in this process.
+            if core is not None:
+                await core.stop()
+            if server is not None:
+                await server.stop(grace=1.0 if self._ready.is_set() else None)
             if http is not None:
                 await http.stop()
             store.close()

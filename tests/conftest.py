@@ -1,0 +1,316 @@
+"""Shared fixtures for the lighthouse tests.
+
+- ``lighthouse``: a factory starting in-process ``LighthouseServer``s on 127.0.0.1:0,
+  shut down at teardown.
+- ``client``: a factory of ``LighthouseClient``s (closed at teardown).
+- ``procs``: a factory of child processes (``python -c CODE`` or ``python -m rallypoint
+  ...``) whose stdout is read line by line by a thread, so tests can await a line with a
+  deadline; every child is killed and reaped by pid at teardown.
+- ``cli_lighthouse``: starts ``python -m rallypoint lighthouse`` and waits (with a
+  timeout) for the JSON line it prints when ready.
+
+Every wait has a deadline; nothing sleeps where an event can be awaited.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rallypoint.lighthouse.client import LighthouseClient
+from rallypoint.lighthouse.quorum import Quorum
+from rallypoint.lighthouse.server import LighthouseServer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_until(pred: Callable[[], Any], timeout: float = 5.0, interval: float = 0.02, what: str = "condition") -> Any:
+    """Poll ``pred`` until it returns something truthy (returned); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def replica_row(status: dict, rid: str) -> dict | None:
+    """The ``replicas`` entry of ``rid`` in a status document (None if absent)."""
+    for r in status["replicas"]:
+        if r["replica_id"] == rid:
+            return r
+    return None
+
+
+def ask_concurrently(
+    c: LighthouseClient,
+    ids: list[str],
+    timeout: float = 10.0,
+    kw_for: Callable[[str], dict[str, Any]] | None = None,
+) -> dict[str, Quorum]:
+    """Every replica in ``ids`` asks ``c`` for a quorum from its own thread; their answers."""
+    with cf.ThreadPoolExecutor(len(ids)) as ex:
+        futs = {rid: ex.submit(c.quorum, rid, timeout, **(kw_for(rid) if kw_for else {})) for rid in ids}
+        return {rid: f.result(timeout + 5) for rid, f in futs.items()}
+
+
+def assert_one_quorum(answers: dict[str, Quorum], members: list[str]) -> Quorum:
+    """All answers are the same quorum, with exactly ``members`` in sorted order."""
+    ids = {q.quorum_id for q in answers.values()}
+    assert len(ids) == 1, f"replicas disagree on quorum_id: {ids}"
+    for rid, q in answers.items():
+        assert list(q.replica_ids) == sorted(members), f"{rid} got {q.replica_ids}"
+    return next(iter(answers.values()))
+
+
+# ----------------------------------------------------------------------- in-process
+
+
+@pytest.fixture
+def closers() -> Iterator[list[Callable[[], None]]]:
+    """Cleanups of clients and channels, run after the lighthouses stopped: a gRPC
+    channel still connected to a live server takes ~0.2 s to close, one whose server
+    is gone closes at once."""
+    fns: list[Callable[[], None]] = []
+    yield fns
+    for fn in reversed(fns):
+        fn()
+
+
+@pytest.fixture
+def client(closers: list[Callable[[], None]]) -> Callable[..., LighthouseClient]:
+    """``client(lh_or_addr, **kw)`` -> a connected LighthouseClient, closed at teardown."""
+
+    def make(target: LighthouseServer | str, **kw: Any) -> LighthouseClient:
+        addr = target.local_address() if isinstance(target, LighthouseServer) else target
+        kw.setdefault("connect_timeout", 5.0)
+        c = LighthouseClient(addr, **kw)
+        closers.append(c.close)
+        return c
+
+    return make
+
+
+@pytest.fixture
+def lighthouse(closers: list[Callable[[], None]]) -> Iterator[Callable[..., LighthouseServer]]:
+    """``lighthouse(min_replicas=..., ...)`` -> a started LighthouseServer on 127.0.0.1:0."""
+    started: list[LighthouseServer] = []
+
+    def make(**kw: Any) -> LighthouseServer:
+        kw.setdefault("bind", "127.0.0.1:0")
+        kw.setdefault("min_replicas", 1)
+        server = LighthouseServer(**kw)
+        started.append(server)
+        return server
+
+    yield make
+    for server in reversed(started):
+        server.shutdown(timeout=10)
+
+
+# ----------------------------------------------------------------------- processes
+
+
+class Proc:
+    """A child process whose stdout lines are collected by a reader thread.
+
+    stderr goes to a file (no pipe to fill up); ``stderr_text()`` reads it for messages.
+    """
+
+    def __init__(self, argv: list[str], log_dir: Path, name: str, env: dict[str, str] | None = None) -> None:
+        self.argv = argv
+        self.name = name
+        self.stderr_path = log_dir / f"{name}.stderr"
+        self._stderr = open(self.stderr_path, "wb")
+        child_env = dict(os.environ)
+        child_env["PYTHONUNBUFFERED"] = "1"
+        child_env.setdefault("RALLYPOINT_LOG_LEVEL", "INFO")
+        if env:
+            child_env.update(env)
+        self.popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            cwd=str(log_dir),
+            env=child_env,
+        )
+        self.pid = self.popen.pid
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        self._reader = threading.Thread(target=self._read, name=f"reader-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for raw in self.popen.stdout:
+            self.lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
+        self.lines.put(None)  # EOF
+
+    def next_line(self, timeout: float) -> str:
+        """The next stdout line; AssertionError on EOF or after ``timeout``."""
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(
+                f"{self.name}: no output line within {timeout:.1f}s; stderr:\n{self.stderr_text()[-3000:]}"
+            ) from None
+        if line is None:
+            self.lines.put(None)  # keep EOF visible to later calls
+            raise AssertionError(
+                f"{self.name}: exited (rc={self.popen.poll()}) before the expected line; "
+                f"stderr:\n{self.stderr_text()[-3000:]}"
+            )
+        self.seen.append(line)
+        return line
+
+    def wait_line(self, pred: Callable[[str], bool], timeout: float) -> str:
+        """The first new stdout line satisfying ``pred`` within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.next_line(max(0.0, deadline - time.monotonic()))
+            if pred(line):
+                return line
+
+    def json_line(self, timeout: float) -> dict:
+        """The next stdout line that parses as a JSON object."""
+
+        def is_json(line: str) -> bool:
+            try:
+                return isinstance(json.loads(line), dict)
+            except ValueError:
+                return False
+
+        return json.loads(self.wait_line(is_json, timeout))
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {timeout:.1f}s") from None
+
+    def rest_of_stdout(self, timeout: float = 5.0) -> list[str]:
+        """After the child exited: every stdout line not consumed yet."""
+        self._reader.join(timeout)
+        out = []
+        while not self.lines.empty():
+            line = self.lines.get_nowait()
+            if line is not None:
+                out.append(line)
+        self.lines.put(None)
+        return out
+
+    def stderr_text(self) -> str:
+        self._stderr.flush()
+        return self.stderr_path.read_text("utf-8", "replace")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the child by pid (if still running)."""
+        if self.popen.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def cleanup(self) -> None:
+        """Kill (SIGKILL) and reap the child, then close our ends."""
+        self.kill(signal.SIGKILL)
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a SIGKILLed child always exits
+            pass
+        self._reader.join(5)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        self._stderr.close()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
+    """``procs(argv_tail, name=..., env=...)`` -> Proc running ``python *argv_tail``."""
+    started: list[Proc] = []
+    counter = iter(range(10_000))
+
+    def spawn(args: list[str], name: str | None = None, env: dict[str, str] | None = None) -> Proc:
+        p = Proc([sys.executable, *args], tmp_path, name or f"proc{next(counter)}", env)
+        started.append(p)
+        return p
+
+    yield spawn
+    for p in started:
+        p.cleanup()
+
+
+@pytest.fixture
+def spawn_python(procs: Callable[..., Proc]) -> Callable[..., Proc]:
+    """``spawn_python(code, *args, name=..., env=...)``: a small Python child (``-c``)."""
+
+    def spawn(code: str, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> Proc:
+        return procs(["-c", code, *args], name=name, env=env)
+
+    return spawn
+
+
+@pytest.fixture
+def rallypoint_cli(procs: Callable[..., Proc]) -> Callable[..., Proc]:
+    """``rallypoint_cli(*args)``: ``python -m rallypoint *args`` as a child process."""
+
+    def spawn(*args: str, name: str | None = None, env: dict[str, str] | None = None) -> Proc:
+        return procs(["-m", "rallypoint", *args], name=name, env=env)
+
+    return spawn
+
+
+class CliLighthouse:
+    """A ``python -m rallypoint lighthouse`` child that printed its ready line."""
+
+    def __init__(self, proc: Proc, info: dict) -> None:
+        self.proc = proc
+        self.info = info
+        self.address: str = info["local"]
+        self.http: str | None = info.get("http")
+
+
+@pytest.fixture
+def cli_lighthouse(rallypoint_cli: Callable[..., Proc]) -> Callable[..., CliLighthouse]:
+    """``cli_lighthouse(min_replicas=2, state=..., extra=[...])``: start the CLI lighthouse
+    on 127.0.0.1:0 and wait for its JSON ready line (default timeout 20 s)."""
+
+    def start(
+        min_replicas: int = 1,
+        state: str | Path = ":memory:",
+        extra: list[str] | None = None,
+        http: bool = False,
+        timeout: float = 20.0,
+        name: str | None = None,
+    ) -> CliLighthouse:
+        args = [
+            "lighthouse",
+            "--min-replicas",
+            str(min_replicas),
+            "--bind",
+            "127.0.0.1:0",
+            "--http-bind",
+            "127.0.0.1:0" if http else "off",
+            "--state",
+            str(state),
+            *(extra or []),
+        ]
+        proc = rallypoint_cli(*args, name=name)
+        return CliLighthouse(proc, proc.json_line(timeout))
+
+    return start
