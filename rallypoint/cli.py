@@ -107,23 +107,22 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
 
 
 def _fetch_status(address: str, timeout: float) -> dict:
-    """Status over gRPC (the address users configure); falls back to HTTP GET /status
-    in case they pasted the dashboard address."""
+    """Status from a lighthouse given its gRPC address (what users configure) or its
+    dashboard address: a quick HTTP probe first (a gRPC port refuses it at once), then
+    the gRPC ``Status`` call."""
+    import httpx
+
     from rallypoint.lighthouse.client import LighthouseClient
 
+    url = address if "://" in address else f"http://{address}"
     try:
-        with LighthouseClient(address, connect_timeout=timeout) as c:
-            return c.status(timeout=timeout)
-    except (ConnectionError, TimeoutError) as grpc_error:
-        import httpx
-
-        url = address if address.startswith("http") else f"http://{address}"
-        try:
-            r = httpx.get(url.rstrip("/") + "/status", timeout=timeout)
-            r.raise_for_status()
+        r = httpx.get(url.rstrip("/") + "/status", timeout=min(1.0, timeout))
+        if r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json"):
             return r.json()
-        except (httpx.HTTPError, ValueError):
-            raise grpc_error from None
+    except (httpx.HTTPError, ValueError):
+        pass
+    with LighthouseClient(address, connect_timeout=timeout) as c:
+        return c.status(timeout=timeout)
 
 
 def format_status(s: dict) -> str:

@@ -340,8 +340,9 @@ class LighthouseCore:
 
     def _sweep(self, now: float) -> None:
         """Report heartbeat expiries and forget long-silent replicas (bounded state)."""
-        limit = now - self.options.heartbeat_timeout
-        for rid in [r for r in self._healthy_seen if r not in self.pending and self.heartbeats.get(r, 0.0) <= limit]:
+        timeout = self.options.heartbeat_timeout
+        # Same expiry test as quorum.healthy_replicas, so reports and decisions agree.
+        for rid in [r for r in self._healthy_seen if r not in self.pending and self.heartbeats.get(r, -timeout) + timeout <= now]:
             self._healthy_seen.discard(rid)
             self.metrics.replica_down("heartbeat_expired")
             self.store.record_event("leave", rid, reason="heartbeat expired")
@@ -377,7 +378,7 @@ class LighthouseCore:
     def status(self) -> dict:
         now = self._clock()
         prev = self.previous
-        ids = set(self.heartbeats) | set(self.pending) | set(self._attached)
+        ids = set(self.heartbeats) | set(self.pending) | set(self._attached) | set(self._dead)
         if prev is not None:
             ids.update(prev.replica_ids)
         replicas = []

@@ -79,7 +79,7 @@ class Options:
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
-        if self.join_timeout < 0 or self.heartbeat_timeout <= 0:
+        if not (self.join_timeout >= 0 and self.heartbeat_timeout > 0):  # also refuses NaN
             raise ValueError(
                 f"join_timeout must be >= 0 and heartbeat_timeout > 0, got "
                 f"{self.join_timeout} and {self.heartbeat_timeout}"
@@ -247,7 +247,7 @@ def decide(now: float, view: View, options: Options) -> Decision:
             Rule.FORMED_AFTER_JOIN_TIMEOUT,
             f"formed without {len(stragglers)} straggler(s) after join_timeout",
         )
-    return formed(Rule.FORMED, "formed: every healthy replica is asking")
+    return formed(Rule.FORMED, "every healthy candidate is asking")
 
 
 def forgettable(now: float, heartbeats: Mapping[str, float], pending: Mapping[str, Pending], horizon: float) -> list[str]:
