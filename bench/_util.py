@@ -1,0 +1,242 @@
+"""Shared helpers for the benchmarks in ``bench/`` (not part of the library).
+
+- :func:`load_torchft_native` loads torchft's Rust extension (``torchft._torchft``)
+  without running ``torchft/__init__.py``, which imports torch (~8 s); the lighthouse
+  benchmarks only need the native ``LighthouseServer``/``LighthouseClient``.
+- :class:`Child` is a subprocess speaking one JSON object per line on stdin/stdout,
+  with stderr sent to a file (never a pipe that could fill and block the child), read
+  by a thread so every wait has a timeout, and killed by pid.
+- :func:`percentile`, :func:`table`: the numbers and the printed table.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+_NATIVE: Any = None
+
+
+def load_torchft_native() -> Any:
+    """``torchft._torchft`` without importing torch (the extension does not need it)."""
+    global _NATIVE
+    if _NATIVE is not None:
+        return _NATIVE
+    if "torchft._torchft" in sys.modules:
+        _NATIVE = sys.modules["torchft._torchft"]
+        return _NATIVE
+    spec = importlib.util.find_spec("torchft")  # locates the package, does not run it
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("torchft is not installed (pip install 'torchft==0.2.0' or '.[test]')")
+    pkg_dir = Path(list(spec.submodule_search_locations)[0])
+    candidates = sorted(pkg_dir.glob("_torchft*.so")) + sorted(pkg_dir.glob("_torchft*.pyd"))
+    if not candidates:
+        raise ImportError(f"torchft's native extension _torchft is missing from {pkg_dir}")
+    ext = importlib.util.spec_from_file_location("torchft._torchft", candidates[0])
+    assert ext is not None and ext.loader is not None
+    mod = importlib.util.module_from_spec(ext)
+    ext.loader.exec_module(mod)
+    _NATIVE = mod
+    return mod
+
+
+def exit_with_parent(parent: int | None = None, poll_s: float = 0.5) -> None:
+    """In a child: exit at once when the parent (pid ``parent``, by default the current
+    parent) dies, so no benchmark process outlives an interrupted run, even one blocked
+    in a long RPC."""
+    parent = parent or os.getppid()
+    if os.getppid() != parent:
+        os._exit(3)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def torchft_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("torchft")
+    except Exception:
+        return "unknown"
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (p in [0, 100]); with few samples p99 is the max."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(-(-p * len(s) // 100)) - 1))
+    return s[k]
+
+
+def median(values: Sequence[float]) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    if ours is None or theirs is None or theirs != theirs or ours != ours or theirs <= 0:
+        return None
+    return ours / theirs
+
+
+class ChildError(RuntimeError):
+    pass
+
+
+class Child:
+    """A subprocess exchanging JSON lines; ``recv`` has a timeout; ``kill`` by pid."""
+
+    def __init__(self, argv: list[str], name: str, env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        self.name = name
+        self._log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
+        self.log_path = self._log.name
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            cwd=cwd,
+            text=True,
+            bufsize=1,
+        )
+        self.pid = self.proc.pid
+        self.lines: "queue.Queue[tuple[float, Any]]" = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name=f"reader-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            now = time.time()
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                self.lines.put((now, json.loads(line)))
+            except json.JSONDecodeError:
+                self.lines.put((now, {"raw": line}))
+        self.lines.put((time.time(), None))  # EOF
+
+    def send(self, obj: Any) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise ChildError(f"{self.name} (pid {self.pid}) is gone: {e}; log {self.log_path}: {self.log_tail()}") from None
+
+    def recv(self, timeout: float) -> Any:
+        """The next JSON object, or ChildError on timeout/EOF (with the log's tail)."""
+        try:
+            _, obj = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise ChildError(f"{self.name} (pid {self.pid}) said nothing within {timeout:.0f}s; log: {self.log_tail()}") from None
+        if obj is None:
+            rc = self.proc.poll()
+            raise ChildError(f"{self.name} (pid {self.pid}) exited (rc={rc}); log: {self.log_tail()}")
+        return obj
+
+    def log_tail(self, n: int = 1500) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - n))
+                return f.read().decode("utf-8", "replace").strip()
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the child by its pid (never by name) and reap it."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(self.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def close(self, grace: float = 5.0) -> None:
+        """Ask politely (EOF on stdin), then SIGKILL; always reaps; removes the log."""
+        if self.proc.poll() is None:
+            try:
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        for f in (self.proc.stdout, self.proc.stdin):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+        try:
+            self._log.close()
+            os.unlink(self.log_path)
+        except OSError:
+            pass
+
+
+def close_all(children: Iterable[Child | None], grace: float = 5.0) -> None:
+    for c in children:
+        if c is not None:
+            try:
+                c.close(grace)
+            except Exception as e:  # cleanup must go on
+                print(f"warning: cleaning up {c.name} (pid {c.pid}): {e}", file=sys.stderr)
+
+
+def fmt_ms(v: float | None) -> str:
+    if v is None or v != v:
+        return "-"
+    return f"{v:.1f} ms" if v < 1000 else f"{v / 1000:.2f} s"
+
+
+def fmt_num(v: float | None, unit: str = "") -> str:
+    if v is None or v != v:
+        return "-"
+    return f"{v:,.0f}{unit}"
+
+
+def fmt_ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
