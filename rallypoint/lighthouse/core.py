@@ -93,6 +93,7 @@ class LighthouseCore:
         self.last_decision: q.Decision | None = None
         self.last_decision_time = 0.0
         self._next_check: float | None = None
+        self._timer_wakes_at = float("-inf")
         self._eval_scheduled = False
         self._wakeup: asyncio.Event | None = None
         self._timer: asyncio.Task | None = None
@@ -169,7 +170,9 @@ class LighthouseCore:
         self._steps[rid] = member.step
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(rid, []).append(fut)
-        self._schedule()
+        # Decide right here rather than on a later loop pass: the request that completes
+        # a quorum is answered without another trip through the event loop.
+        self._evaluate()
         try:
             return await fut
         finally:
@@ -251,12 +254,14 @@ class LighthouseCore:
         prev = self.last_decision
         if prev is None or prev.rule != decision.rule:
             log.info("quorum status: %s", decision.reason)
-        self.last_decision = decision
-        self.last_decision_time = self._wall()
+        if decision.rule is not q.Rule.NO_PARTICIPANTS or prev is None:
+            # An idle lighthouse keeps showing why the last quorum formed (or why it is
+            # still waiting), which is what /status readers want to know.
+            self.last_decision = decision
+            self.last_decision_time = self._wall()
         if decision.formed:
             self._form(decision, now)
         self._set_next_check(decision.next_check)
-        self._update_gauges()
 
     def _form(self, decision: q.Decision, now: float) -> None:
         assert decision.members is not None
@@ -270,18 +275,11 @@ class LighthouseCore:
         for m in quorum.members:
             self.pending.pop(m.replica_id, None)
             waiters.extend(self._waiters.pop(m.replica_id, []))
-        if changed and self.store.path != MEMORY:
-            # A new quorum_id is answered only once it is on disk: a lighthouse SIGKILLed
-            # right after answering must not restart from an older id and hand it out
-            # again (quorum_id must never go backwards). The write stays on the state
-            # writer thread; unchanged quorums (the fast path every step) never wait.
-            self._persist_then_answer(quorum, waiters, payload)
-        else:
-            _answer(waiters, payload)
         self.metrics.observe_quorum_latency(max(0.0, now - first_joined))
         self.metrics.set_quorum(quorum.quorum_id, len(quorum.members))
         if changed:
             log.info("quorum %d formed with %s (%s)", quorum.quorum_id, list(quorum.replica_ids), decision.reason)
+            # Recorded before the flush below, so the event is on disk with the quorum.
             self.store.record_event(
                 "quorum",
                 None,
@@ -290,7 +288,15 @@ class LighthouseCore:
                 rule=decision.rule.value,
                 reason=decision.reason,
             )
-        self.store.save_quorum(quorum)
+        if changed and self.store.path != MEMORY:
+            # A new quorum_id is answered only once it is on disk: a lighthouse SIGKILLed
+            # right after answering must not restart from an older id and hand it out
+            # again (quorum_id must never go backwards). The write stays on the state
+            # writer thread; unchanged quorums (the fast path every step) never wait.
+            self._persist_then_answer(quorum, waiters, payload)
+        else:
+            self.store.save_quorum(quorum)
+            _answer(waiters, payload)
 
     def _persist_then_answer(self, quorum: q.Quorum, waiters: list[asyncio.Future], payload: bytes) -> None:
         self.store.save_quorum(quorum)
@@ -308,9 +314,9 @@ class LighthouseCore:
         flushed.add_done_callback(done)
 
     def _set_next_check(self, when: float | None) -> None:
-        earlier = when is not None and (self._next_check is None or when < self._next_check)
         self._next_check = when
-        if earlier and self._wakeup is not None:
+        # Wake the timer only if it would otherwise sleep past this deadline.
+        if when is not None and when < self._timer_wakes_at and self._wakeup is not None:
             self._wakeup.set()
 
     async def _run_timer(self) -> None:
@@ -323,6 +329,7 @@ class LighthouseCore:
             if self._next_check is not None:
                 waits.append(max(0.0, self._next_check - now))
             timeout = min((w for w in waits if w is not None), default=None)
+            self._timer_wakes_at = float("inf") if timeout is None else now + timeout
             try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
             except TimeoutError:
@@ -354,6 +361,11 @@ class LighthouseCore:
         dead_limit = now - self._forget_after
         for rid in [r for r, t in self._dead.items() if t < dead_limit]:
             del self._dead[rid]
+        self._update_gauges()
+
+    def refresh_gauges(self) -> None:
+        """Replica-count gauges; computed when metrics are read (and at each sweep),
+        not on the per-request path."""
         self._update_gauges()
 
     def _update_gauges(self) -> None:

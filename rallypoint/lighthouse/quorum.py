@@ -29,6 +29,7 @@ and then the usual minimum applies), and the fast path also respects ``min_repli
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -55,9 +56,13 @@ class Quorum:
     members: tuple[Member, ...]
     created: float = 0.0
 
-    @property
+    @functools.cached_property
     def replica_ids(self) -> tuple[str, ...]:
         return tuple(m.replica_id for m in self.members)
+
+    @functools.cached_property
+    def replica_id_set(self) -> frozenset[str]:
+        return frozenset(self.replica_ids)
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,7 @@ def decide(now: float, view: View, options: Options) -> Decision:
     pending = view.pending
     healthy = healthy_replicas(now, view, options)
     previous = view.previous
-    prev_ids = set(previous.replica_ids) if previous is not None else set()
+    prev_ids = previous.replica_id_set if previous is not None else frozenset()
     shrink_only = any(p.member.shrink_only for p in pending.values())
 
     candidates = list(pending)

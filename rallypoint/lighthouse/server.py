@@ -251,6 +251,7 @@ class _View:
         ]
 
     def metrics(self) -> bytes:
+        self.core.refresh_gauges()
         return self._metrics.render()
 
     async def kill(self, replica_id: str, reason: str) -> str:
