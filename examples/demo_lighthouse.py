@@ -155,7 +155,8 @@ class Demo:
         return 0
 
     def close(self) -> None:
-        for p in list(self.procs.values()) + ([self.lighthouse] if self.lighthouse else []):
+        # The lighthouse goes first, so it does not log the replicas' exits as crashes.
+        for p in ([self.lighthouse] if self.lighthouse else []) + list(self.procs.values()):
             if p.poll() is None:
                 p.kill()
             try:

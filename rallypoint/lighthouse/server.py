@@ -160,6 +160,7 @@ class _Service:
         log.info("[%s] liveness stream attached from %s", rid, context.peer())
         clean, reason = False, "connection lost"
         reader = asyncio.ensure_future(self._read(context, att))
+        push: asyncio.Future | None = None
         try:
             await context.write(self.core.welcome())
             while True:
@@ -177,6 +178,8 @@ class _Service:
             reason = f"stream error: {e!r}"
         finally:
             reader.cancel()
+            if push is not None:
+                push.cancel()
             self.core.detach(att, clean=clean, reason=reason)
 
     async def _read(self, context: grpc.aio.ServicerContext, att: _Attachment) -> tuple[bool, str]:
