@@ -23,8 +23,9 @@ import threading
 import time
 
 REPLICA_CODE = r"""
-import json, sys, time
+import json, logging, sys, time
 import rallypoint
+logging.basicConfig(level=logging.ERROR)  # the demo's parent prints the story
 addr, rid, step_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
 client = rallypoint.LighthouseClient(addr, connect_timeout=10)
 stream = rallypoint.LivenessStream(addr, rid, address="sim://" + rid)
