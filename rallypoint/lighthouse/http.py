@@ -33,6 +33,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from rallypoint.lighthouse import addr as addrs
 from rallypoint.lighthouse.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 logger = logging.getLogger("rallypoint.lighthouse.http")
@@ -303,37 +304,13 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 def _parse_bind(bind: str) -> tuple[str, int]:
-    """Split ``host:port`` / ``[v6]:port`` / ``http://host:port`` into (host, port).
-
-    The host comes back without brackets; an empty host or ``*`` means every interface.
-    """
-    text = bind.strip()
-    for prefix in ("http://", "HTTP://"):
-        if text.startswith(prefix):
-            text = text[len(prefix) :]
-    if text.lower().startswith("https://"):
+    """(host, port) of a bind address; ``*`` means every interface, https is refused."""
+    if bind.strip().lower().startswith("https://"):
         raise ValueError(f"bind {bind!r}: the lighthouse HTTP endpoint serves plain http, not https")
-    text = text.rstrip("/")
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or not rest.startswith(":"):
-            raise ValueError(f"bind {bind!r}: expected '[ipv6]:port', e.g. '[::]:29511'")
-        port_text = rest[1:]
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep:
-            raise ValueError(f"bind {bind!r}: expected 'host:port', e.g. '0.0.0.0:29511' or '[::]:29511'")
-        if ":" in host:
-            raise ValueError(f"bind {bind!r}: put an IPv6 address in brackets, e.g. '[::1]:29511'")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ValueError(f"bind {bind!r}: port {port_text!r} is not a number") from None
-    if not 0 <= port <= 65535:
-        raise ValueError(f"bind {bind!r}: port {port} is out of range 0..65535")
-    if host == "*":
-        host = ""
-    return host, port
+    text = bind.strip()
+    bare_port = text.startswith(":") and text[1:].isdigit()  # ":29511" = every interface
+    host, port = addrs.split_host_port("*" + text if bare_port else text)
+    return ("" if host == "*" else host), port
 
 
 def _open_socket(family: int, sockaddr: tuple[Any, ...], dual_stack: bool) -> socket.socket:
