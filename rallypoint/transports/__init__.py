@@ -1,0 +1,26 @@
+"""Checkpoint transports: how a healing replica copies state from a live peer.
+
+* :mod:`.wire` - the safe wire format (JSON header + raw tensor bytes; never unpickles).
+* :class:`CheckpointTransport` - the interface (torchft's names).
+* :class:`HTTPTransport` - uvicorn/FastAPI server thread, httpx client, parallel ranges.
+
+``HTTPTransport`` is imported lazily so ``import rallypoint.transports.wire`` does not pull
+in uvicorn and FastAPI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rallypoint.transports.base import CheckpointTransport
+from rallypoint.transports.wire import WireError
+
+__all__ = ["CheckpointTransport", "HTTPTransport", "WireError"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HTTPTransport":
+        from rallypoint.transports.http import HTTPTransport
+
+        return HTTPTransport
+    raise AttributeError(name)

@@ -1,0 +1,257 @@
+"""The wire format's header: constants, :class:`WireError`, and strict validation.
+
+Split from :mod:`rallypoint.transports.wire` (which re-exports every name here) so the
+rules a received header must pass read in one place. Validation is strict on purpose:
+the header decides how much the receiver allocates and where bytes go, so every number is
+checked against the others (shape x dtype = nbytes, offsets back to back, checksum counts)
+before any tensor is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rallypoint.transports import _tensors as T
+
+MAGIC = b"RPWIRE01"
+_PREFIX = struct.Struct("<8sQI")
+PREFIX_BYTES = _PREFIX.size
+FORMAT = "rallypoint.wire"
+VERSION = 1
+#: Checksum granularity; also the unit in which parallel ranges are cut and retried.
+DEFAULT_BLOCK = 1 << 20
+#: Largest header accepted by default (4,000 tiny tensors need well under 1 MiB).
+DEFAULT_MAX_HEADER_BYTES = 64 << 20
+#: Deepest container nesting accepted, both ways (guards recursion and cyclic inputs).
+MAX_DEPTH = 200
+_SCALARS = (int, float, str, bool, type(None))
+
+ReadInto = Callable[[memoryview], "int | None"]
+
+
+class WireError(ValueError):
+    """A state dict cannot be encoded, or a received stream is invalid.
+
+    ``key`` names the offending entry when there is one; ``target_modified`` is True only
+    when an in-place receive had already written into the caller's tensors.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, target_modified: bool = False) -> None:
+        if target_modified:
+            message += " (in-place receive: the target's tensors were partly overwritten; retry before using them)"
+        super().__init__(message)
+        self.key = key
+        self.target_modified = target_modified
+
+
+def key_str(path: tuple[Any, ...]) -> str:
+    """``('state', 0, 'exp_avg')`` -> ``['state'][0]['exp_avg']``: unambiguous, for messages."""
+    return "".join(f"[{k!r}]" for k in path) or "<root>"
+
+
+# --------------------------------------------------------------------------- header
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor as the header describes it (validated)."""
+
+    index: int
+    path: tuple[Any, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    crcs: tuple[int, ...]
+    param: bool
+    dtensor: dict[str, Any] | None
+
+    @property
+    def key(self) -> str:
+        """The entry's key path, for messages (built on demand: most headers never need it)."""
+        return key_str(self.path)
+
+
+@dataclass
+class Header:
+    """A validated header: the tree, the tensors, and the pieces checksums cover."""
+
+    tree: dict[str, Any]
+    tensors: list[TensorSpec]
+    data_bytes: int
+    block: int
+    extra: dict[str, Any]
+    #: (data start, length, tensor index, start within the tensor, crc), by data start
+    pieces: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+
+    def split(self, parts: int, max_bytes: int | None = None) -> list[tuple[int, int]]:
+        """Cut the data region into about ``parts`` ranges (each at most ``max_bytes`` when
+        a piece allows), at piece boundaries so each range is verifiable on its own."""
+        if self.data_bytes == 0:
+            return []
+        target = -(-self.data_bytes // max(1, parts))
+        if max_bytes:
+            target = min(target, max_bytes)
+        out: list[tuple[int, int]] = []
+        start = self.pieces[0][0]
+        for ds, ln, *_ in self.pieces:
+            if ds + ln - start >= target:
+                out.append((start, ds + ln))
+                start = ds + ln
+        if start < self.data_bytes:
+            out.append((start, self.data_bytes))
+        return out
+
+
+def _bad(msg: str, key: str | None = None) -> WireError:
+    return WireError(f"invalid header: {msg}", key=key)
+
+
+def _int(x: Any, what: str, key: str | None = None) -> int:
+    if type(x) is not int or x < 0:
+        raise _bad(f"{what} must be a non-negative integer, got {x!r}", key)
+    return x
+
+
+def parse_header(raw: bytes | bytearray | memoryview) -> Header:
+    """Parse and validate the JSON header (without the 16-byte prefix)."""
+    try:
+        doc = json.loads(bytes(raw))
+    except (ValueError, RecursionError) as exc:
+        raise _bad(f"not valid UTF-8 JSON ({str(exc)[:200]})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise _bad("not a rallypoint.wire header")
+    if doc.get("version") != VERSION:
+        raise _bad(f"version {doc.get('version')!r} is not supported (this build reads {VERSION})")
+    block = _int(doc.get("block"), "block")
+    data_bytes = _int(doc.get("data_bytes"), "data_bytes")
+    extra = doc.get("extra")
+    if block == 0 or not isinstance(extra, dict) or not isinstance(doc.get("tensors"), list):
+        raise _bad("block, extra or tensors missing")
+    specs = doc["tensors"]
+    paths: dict[int, tuple[Any, ...]] = {}
+    tree = doc.get("tree")
+    _check_tree(tree, (), 0, paths, len(specs))
+    if len(paths) != len(specs):
+        raise _bad(f"the tree references {len(paths)} tensors but {len(specs)} are described")
+    tensors: list[TensorSpec] = []
+    pieces: list[tuple[int, int, int, int, int]] = []
+    offset = 0
+    dtypes = T.DTYPES
+    for i, s in enumerate(specs):
+        if not isinstance(s, dict):
+            raise _bad(f"tensor {i} is not an object", key_str(paths[i]))
+        name = s.get("dtype")
+        dtype = dtypes.get(name) if isinstance(name, str) else None
+        key = key_str(paths[i]) if dtype is None else None
+        if dtype is None:
+            raise WireError(f"{key}: unknown or unsupported dtype {name!r}", key=key)
+        shape = s.get("shape")
+        nbytes = s.get("nbytes")
+        if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape) or type(nbytes) is not int:
+            key = key_str(paths[i])
+            raise _bad("shape must be a list of non-negative integers and nbytes an integer", key)
+        shape_t = tuple(shape)
+        if T.numel_of(shape_t) * dtype.itemsize != nbytes:
+            key = key_str(paths[i])
+            raise WireError(f"{key}: nbytes {nbytes} disagrees with shape {list(shape_t)} of {s['dtype']}", key=key)
+        if type(s.get("offset")) is not int or s["offset"] != offset:
+            key = key_str(paths[i])
+            raise WireError(f"{key}: offset {s.get('offset')} disagrees with the sizes before it ({offset})", key=key)
+        crcs = s.get("crc32")
+        if not isinstance(crcs, list) or len(crcs) != -(-nbytes // block):
+            key = key_str(paths[i])
+            raise WireError(f"{key}: expected {-(-nbytes // block)} checksums", key=key)
+        for c in crcs:
+            if type(c) is not int or not 0 <= c < 2**32:
+                raise _bad(f"checksum {c!r} is not a CRC-32", key_str(paths[i]))
+        dmeta = s.get("dtensor")
+        if dmeta is not None and not isinstance(dmeta, dict):
+            raise _bad("dtensor must be an object or null", key_str(paths[i]))
+        for j, c in enumerate(crcs):
+            st = j * block
+            pieces.append((offset + st, min(block, nbytes - st), i, st, c))
+        tensors.append(
+            TensorSpec(i, paths[i], dtype, shape_t, offset, nbytes, tuple(crcs), s.get("param") is True, dmeta)
+        )
+        offset += nbytes
+    if offset != data_bytes:
+        raise WireError(f"invalid header: data_bytes {data_bytes} but the tensors add up to {offset}")
+    return Header(tree, tensors, data_bytes, block, extra, pieces)
+
+
+def _check_tree(node: Any, path: tuple[Any, ...], depth: int, paths: dict[int, tuple[Any, ...]], n: int) -> None:
+    """Validate a tree node recursively and record the path of every tensor index."""
+    key = key_str(path)
+    if depth > MAX_DEPTH:
+        raise _bad(f"tree nested deeper than {MAX_DEPTH}", key)
+    if not isinstance(node, dict) or not node:
+        raise _bad(f"tree node {str(node)[:80]!r} is not an object", key)
+    kind = "d" if "d" in node else next(iter(node))
+    if kind == "d" and set(node) <= {"d", "o", "m"}:
+        items = node["d"]
+        if not isinstance(items, list) or node.get("o", True) is not True:
+            raise _bad("bad dict node", key)
+        for it in items:
+            if not isinstance(it, list) or len(it) != 2 or type(it[0]) not in _SCALARS:
+                raise _bad("bad dict item", key)
+            _check_tree(it[1], path + (it[0],), depth + 1, paths, n)
+        if "m" in node:
+            before = len(paths)
+            _check_tree(node["m"], path + ("_metadata",), depth + 1, paths, n)
+            if len(paths) != before:
+                raise _bad("_metadata may not hold tensors", key)
+        return
+    if len(node) != 1:
+        raise _bad(f"tree node has unexpected fields {sorted(node)}", key)
+    val = node[kind]
+    if kind == "t":
+        if type(val) is not int or not 0 <= val < n or val in paths:
+            raise _bad(f"bad or repeated tensor index {val!r}", key)
+        paths[val] = path
+    elif kind == "v":
+        if type(val) not in _SCALARS:
+            raise WireError(f"{key}: value of type {type(val).__name__} is not an allowed leaf", key=key)
+    elif kind in ("l", "u"):
+        if not isinstance(val, list):
+            raise _bad("bad list/tuple node", key)
+        for i, v in enumerate(val):
+            _check_tree(v, path + (i,), depth + 1, paths, n)
+    elif kind == "s":
+        if not isinstance(val, list) or any(type(v) is not int for v in val):
+            raise _bad("bad torch.Size node", key)
+    else:
+        raise WireError(f"{key}: unknown node kind {kind!r} (leaf type not allowed)", key=key)
+
+
+def read_exact(readinto: ReadInto, buf: memoryview, what: str, key: str | None = None) -> None:
+    """Fill ``buf`` from ``readinto``; a short stream is a :class:`WireError`."""
+    got, n = 0, buf.nbytes
+    while got < n:
+        k = readinto(buf[got:])
+        if not k:
+            raise WireError(f"stream truncated: got {got} of {n} bytes of {what}", key=key)
+        got += k
+
+
+def read_header(readinto: ReadInto, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> Header:
+    """Read the prefix and the header from a stream and validate them."""
+    pre = bytearray(PREFIX_BYTES)
+    read_exact(readinto, memoryview(pre), "the header length")
+    magic, hlen, hcrc = _PREFIX.unpack(pre)
+    if magic != MAGIC:
+        raise WireError(f"not a rallypoint wire stream (magic {bytes(magic)!r})")
+    if hlen > max_header_bytes:
+        raise WireError(f"header of {hlen} bytes is over the limit of {max_header_bytes} bytes")
+    raw = bytearray(hlen)
+    read_exact(readinto, memoryview(raw), "the header")
+    if zlib.crc32(raw) != hcrc:
+        raise WireError("header checksum mismatch: the stream is corrupt")
+    return parse_header(raw)

@@ -1,0 +1,619 @@
+"""The safe state-dict wire format: a JSON header, then the raw bytes of every tensor.
+
+Why: healing copies a live peer's whole state over the network. torchft unpickles those
+bytes (``torch.load``), so a peer, or anything that can reach its port, can run code on the
+receiver, and it sends every view's whole storage. Here nothing received is ever executed
+(no pickle, no ``torch.load``): the header is JSON validated against fixed rules, and tensor
+bytes are copied into tensors whose dtype and shape the receiver allocated itself.
+
+Stream layout::
+
+    8 bytes  magic b"RPWIRE01"
+    8 bytes  header length H, unsigned little-endian
+    4 bytes  CRC-32 of the header, unsigned little-endian
+    H bytes  header, UTF-8 JSON (see below)
+    D bytes  data: the bytes of tensor 0, tensor 1, ... back to back, no padding
+
+Header (``version`` 1)::
+
+    {"format": "rallypoint.wire", "version": 1, "block": B, "data_bytes": D,
+     "extra": {...plain JSON...},
+     "tree": NODE,
+     "tensors": [{"key": "['model']['w']", "dtype": "float32", "shape": [3, 4],
+                  "offset": 0, "nbytes": 48, "crc32": [...], "param": false,
+                  "dtensor": null | {"placements": ..., "mesh_shape": ..., ...}}, ...]}
+
+    NODE = {"t": i}                 tensor i of "tensors"
+         | {"v": scalar}            int, float, str, bool or null
+         | {"d": [[key, NODE], ...], "o": true?, "m": NODE?}
+                                    dict (key: JSON scalar, so int keys of optimizer
+                                    state survive); "o": was an OrderedDict; "m": its
+                                    ``_metadata`` (module state-dict versions)
+         | {"l": [NODE, ...]}  list | {"u": [NODE, ...]} tuple | {"s": [int, ...]} torch.Size
+
+``crc32`` holds one zlib CRC-32 per ``block`` bytes of the tensor (the last one shorter),
+so a transport that fetches byte ranges in parallel (cut at those boundaries, see
+:meth:`Header.split`) verifies and retries each range on its own, and an error names the
+tensor's key and byte range.
+
+Receiving (see :class:`Sink`): tensor bytes are read straight into tensors, so receiving
+N bytes of state needs ~N bytes, never a second staging copy of the whole stream:
+
+* ``into=None`` (default): fresh tensors become the result. Nothing the caller holds is
+  written, so a failure leaves their state untouched. Peak: the caller's old state plus
+  the new one while both are alive.
+* ``into=target, in_place=False``: fresh tensors are received and verified, and only then
+  copied into the matching tensors of ``target`` (each fresh tensor is dropped right after
+  its copy). The target is untouched on any error; peak extra memory is the size of the
+  state being received.
+* ``into=target, in_place=True``: bytes are read directly into the target's tensors
+  (matching dtype/shape, CPU, contiguous): no extra memory. Everything checkable before the
+  first byte (header, dtypes, shapes, sizes, DTensor meshes) is checked first, but a
+  truncated or corrupt *data* region is only detected after some target bytes were
+  overwritten: the :class:`WireError` then has ``target_modified=True`` and says so. Use
+  it where the old state is disposable anyway (a healing replica's stale state) and retry
+  from another peer on error.
+
+Received tensors are CPU tensors (or the target's own tensors, on any device, with
+``into=``). DTensor leaves (FSDP2) travel as their local shard plus placements, mesh shape,
+global shape and stride; the receiver rebuilds them with ``DTensor.from_local`` on *its*
+mesh (the DTensor's at the same key in ``into=``, else ``mesh=``). Each rank sends and
+receives its own shard, so the meshes must have the same shape: resharding is refused.
+
+Not preserved: storage sharing between entries (tied weights arrive as two tensors unless
+``into=`` holds the tied target), autograd history, and subclasses other than
+``nn.Parameter`` and ``DTensor`` (refused when encoding).
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures as cf
+import os
+import io
+import json
+import logging
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rallypoint.transports import _tensors as T
+from rallypoint.transports._header import (  # noqa: F401 - re-exported: wire is the public face
+    _PREFIX,
+    _SCALARS,
+    DEFAULT_BLOCK,
+    DEFAULT_MAX_HEADER_BYTES,
+    FORMAT,
+    MAGIC,
+    MAX_DEPTH,
+    PREFIX_BYTES,
+    VERSION,
+    Header,
+    ReadInto,
+    TensorSpec,
+    WireError,
+    key_str,
+    parse_header,
+    read_exact,
+    read_header,
+)
+
+logger = logging.getLogger("rallypoint.transports.wire")
+
+#: From this many bytes on, encoding computes checksums on several threads.
+PARALLEL_CRC_BYTES = 64 << 20
+#: Tensors (or remainders) smaller than this are batched: sent as one coalesced piece,
+#: and read through a scratch buffer of SCRATCH_BYTES instead of one read each.
+COALESCE_BELOW = 64 << 10
+SCRATCH_BYTES = 256 << 10
+
+
+
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+class Encoded:
+    """An encoded state dict: the header bytes plus zero-copy views of every tensor's bytes.
+
+    Keeps the (possibly copied) tensors alive, so the views stay valid while this object
+    lives. A transport can stream it many times (several receivers, retried ranges).
+    """
+
+    def __init__(self, header: bytes, tensors: list[torch.Tensor], views: list[memoryview]) -> None:
+        self.header = header  #: prefix + JSON header, ready to send
+        self._tensors = tensors
+        self.views = views
+        self.starts: list[int] = []
+        pos = 0
+        for v in views:
+            self.starts.append(pos)
+            pos += v.nbytes
+        self.data_bytes = pos
+
+    @property
+    def stream_bytes(self) -> int:
+        return len(self.header) + self.data_bytes
+
+    def iter_data(self, start: int = 0, end: int | None = None, piece: int = DEFAULT_BLOCK) -> Iterator[memoryview]:
+        """Views covering data bytes ``[start, end)``, each at most ``piece`` bytes."""
+        end = self.data_bytes if end is None else end
+        if not 0 <= start <= end <= self.data_bytes:
+            raise ValueError(f"range [{start}, {end}) outside the data region of {self.data_bytes} bytes")
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        pos = start
+        small = bytearray()  # consecutive small tensors travel as one piece (one copy)
+        while pos < end and i < len(self.views):
+            v, s = self.views[i], self.starts[i]
+            lo, hi = pos - s, min(v.nbytes, end - s)
+            if hi - lo < COALESCE_BELOW:
+                small += v[lo:hi]
+                if len(small) >= piece:
+                    yield memoryview(bytes(small))
+                    small.clear()
+            else:
+                if small:
+                    yield memoryview(bytes(small))
+                    small.clear()
+                while lo < hi:
+                    n = min(piece, hi - lo)
+                    yield v[lo : lo + n]
+                    lo += n
+            pos = s + v.nbytes
+            i += 1
+        if small:
+            yield memoryview(bytes(small))
+
+    def iter_stream(self, piece: int = DEFAULT_BLOCK) -> Iterator[memoryview]:
+        """The whole stream: header, then the data."""
+        yield memoryview(self.header)
+        yield from self.iter_data(piece=piece)
+
+    def write_to(self, f: Any) -> None:
+        for v in self.iter_stream():
+            f.write(v)
+
+
+def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any] | None = None) -> Encoded:
+    """Encode ``state_dict`` (nested dict/list/tuple of tensors and plain values).
+
+    Non-contiguous or device tensors are copied to contiguous host memory (only the
+    elements they view); contiguous CPU tensors are not copied. Raises :class:`WireError`
+    naming the key of a leaf that is not allowed.
+    """
+    if block <= 0:
+        raise ValueError("block must be positive")
+    tensors: list[torch.Tensor] = []
+    views: list[memoryview] = []
+    specs: list[dict[str, Any]] = []
+    offset = 0
+
+    def tensor_node(x: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        nonlocal offset
+        key = key_str(path)
+        dmeta = None
+        local = x
+        if T.is_dtensor(x):
+            try:
+                dmeta = T.dtensor_meta(x)
+            except TypeError as exc:
+                raise WireError(f"{key}: {exc}", key=key) from None
+            local = x.to_local()
+        elif type(x) not in (torch.Tensor, torch.nn.Parameter):
+            raise WireError(f"{key}: tensor subclass {type(x).__name__} is not supported", key=key)
+        if local.layout != torch.strided or local.is_quantized or local.device.type == "meta":
+            raise WireError(f"{key}: only dense tensors are supported (got {local.layout}, {local.device})", key=key)
+        name = T.DTYPE_NAMES.get(local.dtype)
+        if name is None:
+            raise WireError(f"{key}: dtype {local.dtype} is not supported by the wire format", key=key)
+        t = T.sendable(local)
+        view = T.byte_view(t)
+        n = view.nbytes
+        specs.append(
+            {
+                "key": key,
+                "dtype": name,
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": n,
+                "crc32": [],  # filled in below, possibly in parallel
+                "param": bool(isinstance(x, torch.nn.Parameter) and x.requires_grad),
+                "dtensor": dmeta,
+            }
+        )
+        tensors.append(t)
+        views.append(view)
+        offset += n
+        return {"t": len(specs) - 1}
+
+    def walk(x: Any, path: tuple[Any, ...], depth: int, tensors_ok: bool = True) -> dict[str, Any]:
+        if depth > MAX_DEPTH:
+            raise WireError(f"{key_str(path)}: nested deeper than {MAX_DEPTH} levels (a cycle?)", key=key_str(path))
+        if isinstance(x, torch.Tensor) and tensors_ok:
+            return tensor_node(x, path)
+        if type(x) in _SCALARS:
+            return {"v": x}
+        if isinstance(x, dict) and type(x) in (dict, OrderedDict):
+            items = []
+            for k, v in x.items():
+                if type(k) not in _SCALARS:
+                    raise WireError(
+                        f"{key_str(path)}: dict key {k!r} of type {type(k).__name__} is not allowed "
+                        "(str, int, float, bool or None)",
+                        key=key_str(path),
+                    )
+                items.append([k, walk(v, path + (k,), depth + 1, tensors_ok)])
+            node: dict[str, Any] = {"d": items}
+            if type(x) is OrderedDict:
+                node["o"] = True
+            meta = getattr(x, "_metadata", None)
+            if meta is not None:
+                node["m"] = walk(meta, path + ("_metadata",), depth + 1, tensors_ok=False)
+            return node
+        if type(x) is list:
+            return {"l": [walk(v, path + (i,), depth + 1, tensors_ok) for i, v in enumerate(x)]}
+        if type(x) is torch.Size:
+            return {"s": [int(s) for s in x]}
+        if type(x) is tuple:
+            return {"u": [walk(v, path + (i,), depth + 1, tensors_ok) for i, v in enumerate(x)]}
+        raise WireError(
+            f"{key_str(path)}: leaf of type {type(x).__name__} is not allowed (tensors, dict/list/tuple, "
+            "int, float, str, bool, None)",
+            key=key_str(path),
+        )
+
+    tree = walk(state_dict, (), 0)
+    _fill_checksums(specs, views, block)
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "block": block,
+        "data_bytes": offset,
+        "extra": extra or {},
+        "tree": tree,
+        "tensors": specs,
+    }
+    try:
+        raw = json.dumps(header, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"header cannot be encoded as JSON: {exc}") from None
+    return Encoded(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw, tensors, views)
+
+
+
+def _fill_checksums(specs: list[dict[str, Any]], views: list[memoryview], block: int) -> None:
+    """One CRC-32 per ``block`` of every tensor. From PARALLEL_CRC_BYTES on, the blocks are
+    spread over a few threads (zlib releases the GIL): a 1 GB state takes ~0.3 s of CRC on
+    one core, and this runs on the sender's step."""
+    jobs = [(i, s) for i, v in enumerate(views) for s in range(0, v.nbytes, block)]
+    total = sum(v.nbytes for v in views)
+
+    def crc(job: tuple[int, int]) -> int:
+        i, s = job
+        return zlib.crc32(views[i][s : s + block])
+
+    workers = min(4, os.cpu_count() or 1)
+    if total >= PARALLEL_CRC_BYTES and workers > 1:
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix="rp-wire-crc") as ex:
+            results = list(ex.map(crc, jobs, chunksize=16))
+    else:
+        results = [crc(j) for j in jobs]
+    for (i, _), c in zip(jobs, results):
+        specs[i]["crc32"].append(c)
+
+
+# --------------------------------------------------------------------------- receiving
+
+
+def _lookup(tree: Any, path: tuple[Any, ...]) -> Any:
+    """The value at ``path`` in a caller's state dict, or None."""
+    for k in path:
+        if isinstance(tree, dict):
+            if k not in tree:
+                return None
+            tree = tree[k]
+        elif isinstance(tree, (list, tuple)) and type(k) is int and 0 <= k < len(tree):
+            tree = tree[k]
+        else:
+            return None
+    return tree
+
+
+class Sink:
+    """Destination buffers for one received state dict; ranges are written and verified
+    independently (from several threads), and :meth:`finish` builds the result.
+
+    Validation that needs no data bytes (target matching, DTensor meshes) happens in the
+    constructor, before anything is written. See the module docstring for memory/safety.
+    """
+
+    def __init__(self, header: Header, *, into: Any = None, in_place: bool = False, mesh: Any = None) -> None:
+        self.header = header
+        self._lock = threading.Lock()
+        self._verified = bytearray(len(header.pieces))
+        self._nverified = 0
+        self.target_touched = False
+        self._dest: list[torch.Tensor | None] = []
+        self._views: list[memoryview] = []
+        self._target: list[torch.Tensor | None] = []  # local tensor to copy into at finish
+        self._target_leaf: list[Any] = []  # what the result holds when a target is used
+        self._direct: list[bool] = []
+        self._meshes: list[Any] = []
+        self._piece_starts = [p[0] for p in header.pieces]
+        for spec in header.tensors:
+            tgt = _lookup(into, spec.path) if into is not None else None
+            leaf = tgt
+            if spec.dtensor is not None:
+                self._meshes.append(self._mesh_for(spec, tgt, mesh))
+                tgt = tgt.to_local() if T.is_dtensor(tgt) else None
+            else:
+                self._meshes.append(None)
+                if T.is_dtensor(tgt):
+                    tgt = None
+            ok = (
+                tgt is not None
+                and isinstance(tgt, torch.Tensor)
+                and tgt.dtype == spec.dtype
+                and tuple(tgt.shape) == spec.shape
+            )
+            direct = ok and in_place and tgt.device.type == "cpu" and tgt.is_contiguous() and not tgt.is_conj()
+            if into is not None and not ok:
+                logger.debug("%s: no matching tensor in the target; receiving into a new one", spec.key)
+            if direct:
+                dest = tgt.detach()
+            else:
+                dest = torch.empty(spec.shape, dtype=spec.dtype)
+                T.advise_huge_pages(dest)
+            self._dest.append(dest)
+            self._views.append(T.byte_view(dest))
+            self._target.append(tgt.detach() if ok else None)
+            self._target_leaf.append(leaf if ok else None)
+            self._direct.append(direct)
+
+    @staticmethod
+    def _mesh_for(spec: TensorSpec, tgt: Any, mesh: Any) -> Any:
+        meta = spec.dtensor or {}
+        m = tgt.device_mesh if T.is_dtensor(tgt) else mesh
+        if m is None:
+            raise WireError(
+                f"{spec.key}: is a DTensor; pass into= (a state dict holding a DTensor there) or mesh=",
+                key=spec.key,
+            )
+        try:
+            T.placements_from_json(meta.get("placements"))
+        except ValueError as exc:
+            raise WireError(f"{spec.key}: {exc}", key=spec.key) from None
+        if list(m.shape) != meta.get("mesh_shape"):
+            raise WireError(
+                f"{spec.key}: sent from a mesh of shape {meta.get('mesh_shape')}, the receiver's is "
+                f"{list(m.shape)}; resharding is not supported",
+                key=spec.key,
+            )
+        return m
+
+    def writer(self, start: int, end: int) -> RangeWriter:
+        return RangeWriter(self, start, end)
+
+    def _verify(self, pi: int) -> None:
+        ds, ln, ti, st, crc = self.header.pieces[pi]
+        got = zlib.crc32(self._views[ti][st : st + ln])
+        if got != crc:
+            spec = self.header.tensors[ti]
+            raise WireError(
+                f"{spec.key}: checksum mismatch in bytes [{st}, {st + ln}) of {spec.nbytes}: the stream is corrupt",
+                key=spec.key,
+                target_modified=self.target_touched,
+            )
+        with self._lock:
+            if not self._verified[pi]:
+                self._verified[pi] = 1
+                self._nverified += 1
+
+    @property
+    def complete(self) -> bool:
+        return self._nverified == len(self.header.pieces)
+
+    def finish(self) -> Any:
+        """Check every piece arrived and verified, then copy into targets and build the tree."""
+        if not self.complete:
+            first = self.header.tensors[self.header.pieces[self._verified.index(0)][2]]
+            raise WireError(
+                f"{first.key}: stream incomplete, {len(self.header.pieces) - self._nverified} checksum blocks missing",
+                key=first.key,
+                target_modified=self.target_touched,
+            )
+        leaves: list[Any] = []
+        with torch.no_grad():
+            for spec in self.header.tensors:
+                i = spec.index
+                dest, tgt = self._dest[i], self._target[i]
+                if tgt is not None:
+                    if self._direct[i]:
+                        torch.autograd.graph.increment_version(tgt)
+                    else:
+                        tgt.copy_(dest)
+                    self._dest[i] = None  # drop the staging tensor right away
+                    leaves.append(self._target_leaf[i])
+                    continue
+                assert dest is not None
+                if spec.dtensor is not None:
+                    from torch.distributed.tensor import DTensor
+
+                    meta = spec.dtensor
+                    leaf = DTensor.from_local(
+                        dest,
+                        self._meshes[i],
+                        T.placements_from_json(meta["placements"]),
+                        run_check=False,
+                        shape=torch.Size(meta["shape"]),
+                        stride=tuple(meta["stride"]),
+                    )
+                else:
+                    leaf = dest
+                if spec.param:
+                    leaf = torch.nn.Parameter(leaf, requires_grad=True)
+                leaves.append(leaf)
+        return _build(self.header.tree, leaves)
+
+
+def _build(node: dict[str, Any], leaves: list[Any]) -> Any:
+    if "t" in node:
+        return leaves[node["t"]]
+    if "v" in node:
+        return node["v"]
+    if "d" in node:
+        d: dict[Any, Any] = OrderedDict() if node.get("o") else {}
+        for k, v in node["d"]:
+            d[k] = _build(v, leaves)
+        if "m" in node:
+            d._metadata = _build(node["m"], leaves)  # type: ignore[attr-defined]
+        return d
+    if "l" in node:
+        return [_build(v, leaves) for v in node["l"]]
+    if "u" in node:
+        return tuple(_build(v, leaves) for v in node["u"])
+    return torch.Size(node["s"])
+
+
+class RangeWriter:
+    """Writes data bytes ``[start, end)`` (piece-aligned) into a :class:`Sink`.
+
+    Either pull (:meth:`pull`, ``readinto`` straight into the tensors: no copy) or push
+    (:meth:`write`, for clients that hand out ``bytes`` chunks: one copy into the tensor).
+    Each piece is verified as soon as it is complete. A failed range may be retried with a
+    new writer for the same range.
+    """
+
+    def __init__(self, sink: Sink, start: int, end: int) -> None:
+        h = sink.header
+        starts = sink._piece_starts
+        self._first = bisect.bisect_left(starts, start)
+        self._last = bisect.bisect_left(starts, end)
+        if not (0 <= start <= end <= h.data_bytes) or (
+            start < end
+            and (
+                self._first >= len(starts)
+                or starts[self._first] != start
+                or h.pieces[self._last - 1][0] + h.pieces[self._last - 1][1] != end
+            )
+        ):
+            raise ValueError(f"range [{start}, {end}) is not aligned to checksum blocks")
+        self.sink, self.start, self.end = sink, start, end
+        self._pi = self._first
+        self._fill = 0  # bytes already written into piece _pi
+
+    def _piece(self, pi: int) -> memoryview:
+        _, ln, ti, st, _ = self.sink.header.pieces[pi]
+        if self.sink._direct[ti]:
+            self.sink.target_touched = True
+        return self.sink._views[ti][st : st + ln]
+
+    def _key(self) -> str:
+        """Key of the tensor being written (for messages only: building it costs)."""
+        return self.sink.header.tensors[self.sink.header.pieces[self._pi][2]].key
+
+    def pull(self, readinto: ReadInto) -> None:
+        """Read the whole range from ``readinto`` directly into the destination tensors.
+
+        Pieces of at least COALESCE_BELOW bytes are read in place (no copy); runs of
+        smaller ones are read a scratch buffer at a time and copied, so 4,000 tiny
+        tensors cost a few reads instead of 4,000 system calls.
+        """
+        scratch: memoryview | None = None
+        pieces = self.sink.header.pieces
+        while self._pi < self._last:
+            view = self._piece(self._pi)
+            if view.nbytes - self._fill < COALESCE_BELOW:
+                if scratch is None:
+                    scratch = memoryview(bytearray(SCRATCH_BYTES))
+                want = min(SCRATCH_BYTES, self.end - (pieces[self._pi][0] + self._fill))
+                n = readinto(scratch[:want])
+                if not n:
+                    key = self._key()
+                    raise WireError(
+                        f"stream truncated inside tensor {key}", key=key, target_modified=self.sink.target_touched
+                    )
+                self.write(scratch[:n])
+                continue
+            try:
+                read_exact(readinto, view[self._fill :], "a tensor")
+            except WireError as exc:
+                key = self._key()
+                msg = str(exc).replace("a tensor", f"tensor {key}")
+                raise WireError(msg, key=key, target_modified=self.sink.target_touched) from None
+            self._fill = 0
+            self.sink._verify(self._pi)
+            self._pi += 1
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Copy ``data`` (the next bytes of the range) into place."""
+        mv = memoryview(data).cast("B")
+        pos = 0
+        while pos < mv.nbytes:
+            if self._pi >= self._last:
+                raise WireError(f"{mv.nbytes - pos} bytes more than the range [{self.start}, {self.end}) holds")
+            view = self._piece(self._pi)
+            n = min(view.nbytes - self._fill, mv.nbytes - pos)
+            view[self._fill : self._fill + n] = mv[pos : pos + n]
+            self._fill += n
+            pos += n
+            if self._fill == view.nbytes:
+                self._fill = 0
+                self.sink._verify(self._pi)
+                self._pi += 1
+
+    def close(self) -> None:
+        """Raise :class:`WireError` (naming the key) unless the whole range arrived."""
+        if self._pi < self._last:
+            key = self._key()
+            raise WireError(
+                f"{key}: stream truncated inside range [{self.start}, {self.end})",
+                key=key,
+                target_modified=self.sink.target_touched,
+            )
+
+
+def _readinto_of(src: Any) -> ReadInto:
+    if callable(getattr(src, "readinto", None)):
+        return src.readinto
+    if callable(src):
+        return src
+    raise TypeError("decode_from needs a readinto(memoryview) -> int callable or a file-like with readinto")
+
+
+def decode_from(
+    src: Any,
+    *,
+    into: Any = None,
+    in_place: bool = False,
+    mesh: Any = None,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    expect_eof: bool = True,
+) -> Any:
+    """Decode one stream from ``src`` (a file-like with ``readinto`` or a ``readinto``
+    callable). With ``expect_eof`` the stream must end right after the data."""
+    readinto = _readinto_of(src)
+    header = read_header(readinto, max_header_bytes)
+    sink = Sink(header, into=into, in_place=in_place, mesh=mesh)
+    w = sink.writer(0, header.data_bytes)
+    w.pull(readinto)
+    w.close()
+    if expect_eof and readinto(memoryview(bytearray(1))):
+        raise WireError("trailing bytes after the data region", target_modified=sink.target_touched)
+    return sink.finish()
+
+
+def decode(buf: bytes | bytearray | memoryview, **kw: Any) -> Any:
+    """Decode a complete stream held in memory (see :func:`decode_from`)."""
+    return decode_from(io.BytesIO(buf), **kw)
+
+
+def to_bytes(state_dict: Any, **kw: Any) -> bytes:
+    """The whole stream as one ``bytes`` (tests and small payloads; copies)."""
+    enc = encode(state_dict, **kw)
+    return b"".join(bytes(v) for v in enc.iter_stream())
