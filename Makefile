@@ -31,6 +31,8 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) bench/lighthouse.py
+	$(VPY) bench/process_groups.py
+	$(VPY) bench/transport.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
