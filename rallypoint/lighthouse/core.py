@@ -93,6 +93,7 @@ class LighthouseCore:
         self.last_decision: q.Decision | None = None
         self.last_decision_time = 0.0
         self._next_check: float | None = None
+        self._stopping = False
         self._timer_wakes_at = float("-inf")
         self._eval_scheduled = False
         self._wakeup: asyncio.Event | None = None
@@ -117,6 +118,7 @@ class LighthouseCore:
         self._timer = asyncio.get_running_loop().create_task(self._run_timer(), name="lighthouse-timer")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._timer is not None:
             self._timer.cancel()
             try:
@@ -214,6 +216,8 @@ class LighthouseCore:
         if self._attached.get(rid) is not att:
             return  # superseded by a newer stream of the same replica
         del self._attached[rid]
+        if self._stopping:
+            return  # our own shutdown closed the stream: the replica did not crash
         self.declare_dead(rid, "goodbye" if clean else "stream_broken", reason)
 
     def declare_dead(self, rid: str, kind: str, reason: str) -> None:

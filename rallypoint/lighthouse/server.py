@@ -173,7 +173,9 @@ class _Service:
                 clean, reason = reader.result()
                 break
         except asyncio.CancelledError:
-            raise
+            # The peer vanished or the server is stopping; the RPC is over either way.
+            # Returning (not re-raising) keeps grpc from logging it as unhandled.
+            pass
         except Exception as e:  # the write side broke: the peer is gone
             reason = f"stream error: {e!r}"
         finally:

@@ -1,0 +1,194 @@
+"""``ManagerClient``: what every rank of a replica group uses to talk to its group's
+``ManagerServer`` (ours or torchft's; the wire is torchft's ``ManagerService``).
+
+Names mirror torchft 0.2.0's Rust client (``_quorum``, ``_checkpoint_metadata``,
+``should_commit``). Every call has a timeout, sent as the gRPC deadline (the server
+uses it to bound its own lighthouse call). gRPC errors become ``TimeoutError``,
+``ConnectionError``, ``KeyError`` (unknown checkpoint metadata) or ``ValueError``
+(rejected request), each naming the server and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import grpc
+
+from rallypoint._proto import torchft_pb2 as pb
+from rallypoint.manager.recovery import QuorumResult
+
+log = logging.getLogger("rallypoint.manager.client")
+
+
+def seconds(t: float | timedelta) -> float:
+    """``timedelta`` or float seconds -> float seconds."""
+    return t.total_seconds() if isinstance(t, timedelta) else float(t)
+
+
+def grpc_target(addr: str) -> str:
+    """``http://host:port/`` or ``host:port`` -> ``host:port``."""
+    a = addr.strip()
+    for prefix in ("http://", "https://", "grpc://"):
+        if a.startswith(prefix):
+            a = a[len(prefix) :]
+            break
+    a = a.rstrip("/")
+    if not a or ":" not in a:
+        raise ValueError(f"bad manager address {addr!r}: expected host:port or http://host:port")
+    return a
+
+
+def result_from_pb(resp: pb.ManagerQuorumResponse) -> QuorumResult:
+    return QuorumResult(
+        quorum_id=resp.quorum_id,
+        replica_rank=resp.replica_rank,
+        replica_world_size=resp.replica_world_size,
+        recover_src_manager_address=resp.recover_src_manager_address,
+        recover_src_replica_rank=resp.recover_src_replica_rank if resp.HasField("recover_src_replica_rank") else None,
+        recover_dst_replica_ranks=list(resp.recover_dst_replica_ranks),
+        store_address=resp.store_address,
+        max_step=resp.max_step,
+        max_replica_rank=resp.max_replica_rank if resp.HasField("max_replica_rank") else None,
+        max_world_size=resp.max_world_size,
+        heal=resp.heal,
+        commit_failures=resp.commit_failures,
+        replica_ids=list(resp.replica_ids),
+    )
+
+
+def result_to_pb(r: QuorumResult) -> pb.ManagerQuorumResponse:
+    msg = pb.ManagerQuorumResponse(
+        quorum_id=r.quorum_id,
+        recover_src_manager_address=r.recover_src_manager_address,
+        recover_dst_replica_ranks=r.recover_dst_replica_ranks,
+        store_address=r.store_address,
+        max_step=r.max_step,
+        max_world_size=r.max_world_size,
+        replica_rank=r.replica_rank,
+        replica_world_size=r.replica_world_size,
+        heal=r.heal,
+        commit_failures=r.commit_failures,
+        replica_ids=r.replica_ids,
+    )
+    if r.recover_src_replica_rank is not None:
+        msg.recover_src_replica_rank = r.recover_src_replica_rank
+    if r.max_replica_rank is not None:
+        msg.max_replica_rank = r.max_replica_rank
+    return msg
+
+
+class ManagerClient:
+    """Client of a replica group's ``ManagerServer`` (torchft's ``ManagerClient(addr,
+    connect_timeout)``). Thread-safe; ``close()`` releases the channel."""
+
+    def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0) -> None:
+        self.addr = addr
+        self._connect_timeout = seconds(connect_timeout)
+        self._channel = grpc.insecure_channel(grpc_target(addr))
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=self._connect_timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise ConnectionError(
+                f"could not connect to the manager server at {addr} within {self._connect_timeout:.1f}s; "
+                "is group rank 0 of this replica group running (check MASTER_ADDR / the manager port)?"
+            ) from None
+        self._quorum_call = self._channel.unary_unary(
+            "/torchft.ManagerService/Quorum",
+            request_serializer=pb.ManagerQuorumRequest.SerializeToString,
+            response_deserializer=pb.ManagerQuorumResponse.FromString,
+        )
+        self._metadata_call = self._channel.unary_unary(
+            "/torchft.ManagerService/CheckpointMetadata",
+            request_serializer=pb.CheckpointMetadataRequest.SerializeToString,
+            response_deserializer=pb.CheckpointMetadataResponse.FromString,
+        )
+        self._commit_call = self._channel.unary_unary(
+            "/torchft.ManagerService/ShouldCommit",
+            request_serializer=pb.ShouldCommitRequest.SerializeToString,
+            response_deserializer=pb.ShouldCommitResponse.FromString,
+        )
+        self._kill_call = self._channel.unary_unary(
+            "/torchft.ManagerService/Kill",
+            request_serializer=pb.KillRequest.SerializeToString,
+            response_deserializer=pb.KillResponse.FromString,
+        )
+
+    def _quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: float | timedelta,
+        commit_failures: int = 0,
+        init_sync: bool = True,
+    ) -> QuorumResult:
+        """Join this step's quorum for ``group_rank``; blocks until the group's quorum
+        forms (every rank of the group asked and the lighthouse answered)."""
+        secs = seconds(timeout)
+        req = pb.ManagerQuorumRequest(
+            group_rank=group_rank,
+            step=step,
+            checkpoint_metadata=checkpoint_metadata,
+            shrink_only=shrink_only,
+            init_sync=init_sync,
+            commit_failures=commit_failures,
+        )
+        try:
+            resp = self._quorum_call(req, timeout=secs)
+        except grpc.RpcError as e:
+            raise self._translate(e, f"quorum for group rank {group_rank} at step {step}", secs) from None
+        return result_from_pb(resp)
+
+    def _checkpoint_metadata(self, rank: int, timeout: float | timedelta) -> str:
+        """The checkpoint metadata group rank ``rank`` sent with its last quorum request."""
+        secs = seconds(timeout)
+        try:
+            return self._metadata_call(pb.CheckpointMetadataRequest(rank=rank), timeout=secs).checkpoint_metadata
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise KeyError(f"manager at {self.addr} has no checkpoint metadata for rank {rank}: {e.details()}") from None
+            raise self._translate(e, f"checkpoint metadata of rank {rank}", secs) from None
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: float | timedelta) -> bool:
+        """Vote for ``step``; True only if every rank of the group voted True for it."""
+        secs = seconds(timeout)
+        req = pb.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit)
+        try:
+            return self._commit_call(req, timeout=secs).should_commit
+        except grpc.RpcError as e:
+            raise self._translate(e, f"should_commit of group rank {group_rank} at step {step}", secs) from None
+
+    def kill(self, msg: str, timeout: float | timedelta = 10.0) -> None:
+        """Ask the manager server to end its replica's process (with a logged reason)."""
+        secs = seconds(timeout)
+        try:
+            self._kill_call(pb.KillRequest(msg=msg), timeout=secs)
+        except grpc.RpcError as e:
+            # The process may die before the answer gets out: that is success.
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise self._translate(e, "kill", secs) from None
+
+    def _translate(self, e: grpc.RpcError, what: str, timeout: float) -> Exception:
+        code = e.code() if hasattr(e, "code") else None
+        detail = e.details() if hasattr(e, "details") else str(e)
+        where = f"{what} at manager {self.addr}"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return TimeoutError(f"{where} timed out after {timeout:.1f}s: {detail}")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ValueError(f"{where} was rejected: {detail}")
+        return ConnectionError(f"{where} failed ({code.name if code else 'error'}): {detail}")
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ManagerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["ManagerClient", "result_from_pb", "result_to_pb"]

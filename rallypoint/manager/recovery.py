@@ -1,0 +1,102 @@
+"""Per-rank quorum results, as a pure function over plain data.
+
+Given the quorum the lighthouse formed, :func:`compute_quorum_result` tells one rank of
+one replica group where it stands: its replica rank, whether it must heal, from whom,
+which healing replicas it must serve, and which TCPStore to use. No I/O, no clock:
+the :class:`~rallypoint.manager.server.ManagerServer` is a thin shell around it.
+
+The rules (DESIGN.md, "The manager"), matching torchft 0.2.0's answers:
+
+* members are ordered by ``replica_id``; ``replica_rank`` is the own index;
+* ``max_step`` is the highest step; the members at ``max_step`` are the "max" set
+  (``max_replica_rank`` = own index in it or ``None``; ``max_world_size`` = its size);
+* the primary for group rank ``g`` is the max-set member at ``g % len(max set)``; its
+  store is this rank's ``store_address``;
+* a member heals when its step is behind ``max_step``, or when ``max_step == 0``,
+  ``init_sync`` is on and it is not the primary (so a fresh job starts from one copy);
+* the members that do not heal serve the healing ones in order, round-robin, starting
+  at offset ``group_rank`` so that different group ranks load different sources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # plain data in, plain data out: no runtime dependency on the lighthouse
+    from rallypoint.lighthouse.client import Member, Quorum
+
+
+@dataclass(frozen=True)
+class QuorumResult:
+    """What one rank learns from a quorum (torchft's ``QuorumResult`` fields)."""
+
+    quorum_id: int
+    replica_rank: int
+    replica_world_size: int
+    recover_src_manager_address: str
+    recover_src_replica_rank: int | None
+    recover_dst_replica_ranks: list[int]
+    store_address: str
+    max_step: int
+    max_replica_rank: int | None
+    max_world_size: int
+    heal: bool
+    commit_failures: int
+    replica_ids: list[str] = field(default_factory=list)
+
+
+def compute_quorum_result(quorum: Quorum, replica_id: str, group_rank: int, init_sync: bool = True) -> QuorumResult:
+    """The result for ``group_rank`` of replica group ``replica_id`` in ``quorum``.
+
+    Raises ``ValueError`` when ``replica_id`` is not a member, or the quorum is empty,
+    or ``group_rank`` is negative.
+    """
+    if group_rank < 0:
+        raise ValueError(f"group_rank must be >= 0, got {group_rank} (replica {replica_id})")
+    members: list[Member] = sorted(quorum.members, key=lambda m: m.replica_id)
+    ids = [m.replica_id for m in members]
+    try:
+        replica_rank = ids.index(replica_id)
+    except ValueError:
+        raise ValueError(
+            f"replica {replica_id!r} is not a member of quorum {quorum.quorum_id} (members: {ids}); "
+            "the lighthouse answered a quorum without it; retry the quorum"
+        ) from None
+
+    max_step = max(m.step for m in members)
+    at_max = [i for i, m in enumerate(members) if m.step == max_step]
+    max_replica_rank = at_max.index(replica_rank) if replica_rank in at_max else None
+    primary = at_max[group_rank % len(at_max)]
+
+    force = init_sync and max_step == 0
+    healers = [i for i, m in enumerate(members) if m.step != max_step or (force and i != primary)]
+    healer_set = set(healers)
+    sources = [i for i in range(len(members)) if i not in healer_set]
+
+    src_of: dict[int, int] = {}
+    dsts_of: dict[int, list[int]] = {}
+    for k, dst in enumerate(healers):
+        src = sources[(k + group_rank) % len(sources)]
+        src_of[dst] = src
+        dsts_of.setdefault(src, []).append(dst)
+
+    src = src_of.get(replica_rank)
+    return QuorumResult(
+        quorum_id=quorum.quorum_id,
+        replica_rank=replica_rank,
+        replica_world_size=len(members),
+        recover_src_manager_address=members[src].address if src is not None else "",
+        recover_src_replica_rank=src,
+        recover_dst_replica_ranks=list(dsts_of.get(replica_rank, [])),
+        store_address=members[primary].store_address,
+        max_step=max_step,
+        max_replica_rank=max_replica_rank,
+        max_world_size=len(at_max),
+        heal=src is not None,
+        commit_failures=max(m.commit_failures for m in members),
+        replica_ids=ids,
+    )
+
+
+__all__ = ["QuorumResult", "compute_quorum_result"]

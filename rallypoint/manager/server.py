@@ -1,0 +1,505 @@
+"""``ManagerServer``: torchft's ``ManagerService`` for one replica group, run on its
+group rank 0 in a background thread with its own asyncio loop.
+
+* ``Quorum``: gathers one request from each of the group's ``world_size`` ranks for the
+  same step, asks the lighthouse once for the whole group (``shrink_only`` if any rank
+  asked, ``commit_failures`` the maximum over ranks, ``data`` a JSON object of step
+  statistics), then answers each rank with :func:`~rallypoint.manager.recovery.compute_quorum_result`.
+  The lighthouse call is bounded by the waiting ranks' own gRPC deadlines; when it fails,
+  every waiting rank gets that error at once (torchft leaves them hanging).
+  A rank whose call goes away before the group is complete is taken out of the round.
+* ``ShouldCommit``: votes are keyed by step; the decision is true only if every rank
+  voted true for that step. An undecided vote whose caller went away is withdrawn.
+* ``CheckpointMetadata(rank)``: what that rank sent with its last ``Quorum``.
+* ``Kill(msg)``: logs the reason and ends the process (``on_kill`` replaces that).
+
+It also heartbeats the lighthouse every ``heartbeat_interval`` and holds rallypoint's
+liveness stream (a goodbye on :meth:`shutdown`, so a clean stop is not a crash).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import grpc
+
+from rallypoint._proto import torchft_pb2 as pb
+from rallypoint.lighthouse.client import LighthouseClient, LivenessStream, Quorum
+from rallypoint.manager.client import result_to_pb, seconds
+from rallypoint.manager.recovery import compute_quorum_result
+
+log = logging.getLogger("rallypoint.manager")
+
+# Used when a Quorum request carries no deadline and no quorum_timeout was given.
+DEFAULT_QUORUM_TIMEOUT_S = 60.0
+# Decided should_commit rounds remembered, so a retried vote gets the same answer.
+_DECIDED_KEEP = 16
+
+_GRPC_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+    ("grpc.max_send_message_length", 8 * 1024 * 1024),
+]
+
+
+def _raw(payload: Any) -> bytes:
+    return payload if isinstance(payload, bytes) else payload.SerializeToString()
+
+
+def _new_future() -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    # A failure nobody is left waiting for (every rank gave up) is not worth a warning.
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
+@dataclass(eq=False)
+class _QuorumRound:
+    """The group's pending Quorum requests for one step."""
+
+    step: int
+    first_at: float
+    requests: dict[int, pb.ManagerQuorumRequest] = field(default_factory=dict)
+    deadlines: dict[int, float | None] = field(default_factory=dict)
+    result: asyncio.Future = field(default_factory=_new_future)
+    fired: bool = False
+
+
+@dataclass
+class _CommitRound:
+    votes: dict[int, bool] = field(default_factory=dict)
+    decision: asyncio.Future = field(default_factory=_new_future)
+
+
+class _Failure(Exception):
+    """A lighthouse failure to fan out to every waiting rank as one gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _default_kill(msg: str) -> None:
+    for h in logging.getLogger().handlers + log.handlers:
+        try:
+            h.flush()
+        except Exception:
+            pass
+    # Let the Kill answer get out before the process goes.
+    threading.Timer(0.2, os._exit, args=(1,)).start()
+
+
+class ManagerServer:
+    """torchft's ``ManagerServer(replica_id, lighthouse_addr, hostname, bind, store_addr,
+    world_size, heartbeat_interval, connect_timeout, quorum_retries)`` plus ours.
+
+    Durations accept ``timedelta`` or float seconds. ``quorum_timeout`` caps the
+    lighthouse call (by default the ranks' request deadlines alone bound it).
+    ``quorum_retries`` (torchft's): how many times a failed (not timed-out) lighthouse
+    call is retried within the ranks' deadline before every waiting rank gets the error.
+    ``on_kill(msg)`` replaces ending the process on ``Kill``; ``on_peer_down(replica_id,
+    reason)`` is called (on the liveness stream's thread) when the lighthouse reports
+    another replica dead. Raises ``ConnectionError`` if the lighthouse is unreachable
+    within ``connect_timeout`` and ``OSError`` if ``bind`` cannot be bound.
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        lighthouse_addr: str,
+        hostname: str,
+        bind: str,
+        store_addr: str,
+        world_size: int,
+        heartbeat_interval: float | timedelta = 0.1,
+        connect_timeout: float | timedelta = 10.0,
+        quorum_retries: int = 0,
+        quorum_timeout: float | timedelta | None = None,
+        token: str | None = None,
+        *,
+        on_kill: Callable[[str], None] | None = None,
+        on_peer_down: Callable[[str, str], None] | None = None,
+        liveness: bool = True,
+        startup_timeout: float = 30.0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size} (replica {replica_id})")
+        self.replica_id = replica_id
+        self.lighthouse_addr = lighthouse_addr
+        self.hostname = hostname
+        self.store_addr = store_addr
+        self.world_size = world_size
+        self._bind = bind
+        self._heartbeat_interval = seconds(heartbeat_interval)
+        self._connect_timeout = seconds(connect_timeout)
+        self._quorum_timeout = seconds(quorum_timeout) if quorum_timeout is not None else None
+        self._quorum_retries = max(0, int(quorum_retries))
+        self._token = token
+        self._on_kill = on_kill or _default_kill
+        self._on_peer_down = on_peer_down
+
+        # Loop-thread state.
+        self._rounds: dict[int, _QuorumRound] = {}
+        self._commits: dict[int, _CommitRound] = {}
+        self._decided: dict[int, bool] = {}
+        self._metadata: dict[int, str] = {}
+        self._inflight: set[_QuorumRound] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout=self._connect_timeout, token=token)
+        self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"rallypoint-manager-{replica_id}")
+        self._stopped = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._port = 0
+        self._thread = threading.Thread(target=self._thread_main, name=f"rallypoint-manager-{replica_id}", daemon=True)
+        self._heartbeat_thread = threading.Thread(
+            target=self._heartbeat_main, name=f"rallypoint-manager-heartbeat-{replica_id}", daemon=True
+        )
+        self._liveness: LivenessStream | None = None
+        try:
+            self._thread.start()
+            if not self._ready.wait(startup_timeout):
+                raise TimeoutError(f"[{replica_id}] manager server did not start within {startup_timeout}s on {bind}")
+            if self._error is not None:
+                raise self._error
+            self._heartbeat_thread.start()
+            if liveness:
+                self._liveness = LivenessStream(
+                    lighthouse_addr,
+                    replica_id,
+                    self.address(),
+                    token=token,
+                    ping_interval=max(self._heartbeat_interval, 0.05),
+                    on_peer_down=self._peer_down,
+                )
+                self._liveness.start(timeout=min(self._connect_timeout, 5.0))
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("[%s] manager server listening on %s (group world size %d)", replica_id, self.address(), world_size)
+
+    # ------------------------------------------------------------------ threads
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:
+            if not self._ready.is_set():
+                self._error = e
+                self._ready.set()
+            else:
+                log.exception("[%s] manager server loop crashed", self.replica_id)
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        server = grpc.aio.server(options=_GRPC_OPTIONS)
+        server.add_generic_rpc_handlers([self._handlers()])
+        try:
+            try:
+                port = server.add_insecure_port(self._bind)
+            except RuntimeError as e:
+                raise OSError(f"[{self.replica_id}] cannot bind the manager server to {self._bind}: {e}") from None
+            if not port:
+                raise OSError(f"[{self.replica_id}] cannot bind the manager server to {self._bind} (address in use?)")
+            self._port = port
+            await server.start()
+            self._ready.set()
+            await self._stop.wait()
+        finally:
+            self._fail_all(grpc.StatusCode.UNAVAILABLE, f"manager server of replica {self.replica_id} is shutting down")
+            await server.stop(grace=0.5 if self._ready.is_set() else None)
+
+    def _heartbeat_main(self) -> None:
+        failing = False
+        timeout = max(1.0, min(5.0, 10 * self._heartbeat_interval))
+        while not self._stopped.is_set():
+            try:
+                self._lighthouse.heartbeat(self.replica_id, timeout=timeout)
+                if failing:
+                    log.info("[%s] heartbeats reach the lighthouse again", self.replica_id)
+                failing = False
+            except Exception as e:
+                if self._stopped.is_set():
+                    return
+                if not failing:
+                    log.warning("[%s] heartbeat to the lighthouse at %s failed: %s", self.replica_id, self.lighthouse_addr, e)
+                failing = True
+            self._stopped.wait(self._heartbeat_interval)
+
+    def _peer_down(self, replica_id: str, reason: str) -> None:
+        log.warning("[%s] lighthouse reports replica %s down: %s", self.replica_id, replica_id, reason)
+        if self._on_peer_down is not None:
+            self._on_peer_down(replica_id, reason)
+
+    # ------------------------------------------------------------------ gRPC
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            "torchft.ManagerService",
+            {
+                "Quorum": grpc.unary_unary_rpc_method_handler(
+                    self._quorum, request_deserializer=pb.ManagerQuorumRequest.FromString, response_serializer=_raw
+                ),
+                "CheckpointMetadata": grpc.unary_unary_rpc_method_handler(
+                    self._checkpoint_metadata,
+                    request_deserializer=pb.CheckpointMetadataRequest.FromString,
+                    response_serializer=_raw,
+                ),
+                "ShouldCommit": grpc.unary_unary_rpc_method_handler(
+                    self._should_commit, request_deserializer=pb.ShouldCommitRequest.FromString, response_serializer=_raw
+                ),
+                "Kill": grpc.unary_unary_rpc_method_handler(
+                    self._kill, request_deserializer=pb.KillRequest.FromString, response_serializer=_raw
+                ),
+            },
+        )
+
+    async def _bad_rank(self, context: grpc.aio.ServicerContext, rank: int, what: str) -> None:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{what}: group_rank {rank} is out of range for replica {self.replica_id} "
+            f"(group world size {self.world_size}); check the ranks' WORLD_SIZE",
+        )
+
+    async def _quorum(self, req: pb.ManagerQuorumRequest, context: grpc.aio.ServicerContext) -> pb.ManagerQuorumResponse:
+        rank = req.group_rank
+        if not 0 <= rank < self.world_size:
+            await self._bad_rank(context, rank, "quorum")
+        self._metadata[rank] = req.checkpoint_metadata
+        remaining = context.time_remaining()
+        now = time.monotonic()
+        rnd = self._rounds.get(req.step)
+        if rnd is None:
+            others = {s: sorted(r.requests) for s, r in self._rounds.items()}
+            if others:
+                log.warning(
+                    "[%s] group rank %d asks for step %d while ranks are waiting at other steps %s; "
+                    "the ranks of one replica group must be at the same step",
+                    self.replica_id, rank, req.step, others,
+                )
+            rnd = self._rounds[req.step] = _QuorumRound(step=req.step, first_at=now)
+        rnd.requests[rank] = req
+        rnd.deadlines[rank] = now + remaining if remaining is not None else None
+        log.debug("[%s] quorum request from group rank %d at step %d (%d/%d)", self.replica_id, rank, req.step, len(rnd.requests), self.world_size)
+        if len(rnd.requests) == self.world_size and not rnd.fired:
+            rnd.fired = True
+            del self._rounds[req.step]
+            self._inflight.add(rnd)
+            task = asyncio.ensure_future(self._ask_lighthouse(rnd))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(lambda _t, rnd=rnd: self._inflight.discard(rnd))
+        try:
+            quorum: Quorum = await asyncio.shield(rnd.result)
+        except _Failure as f:
+            await context.abort(f.code, f.message)
+        except asyncio.CancelledError:
+            # The caller went away before the group was complete: withdraw it.
+            if not rnd.fired and rnd.requests.get(rank) is req:
+                del rnd.requests[rank]
+                rnd.deadlines.pop(rank, None)
+                if not rnd.requests and self._rounds.get(rnd.step) is rnd:
+                    del self._rounds[rnd.step]
+            raise
+        try:
+            result = compute_quorum_result(quorum, self.replica_id, rank, req.init_sync)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        if result.heal:
+            log.info(
+                "[%s] group rank %d heals: step %d < max_step %d, source replica rank %s",
+                self.replica_id, rank, req.step, result.max_step, result.recover_src_replica_rank,
+            )
+        return result_to_pb(result)
+
+    async def _ask_lighthouse(self, rnd: _QuorumRound) -> None:
+        reqs = rnd.requests
+        now = time.monotonic()
+        deadlines = [d for d in rnd.deadlines.values() if d is not None]
+        budget = max(deadlines) - now if deadlines else (self._quorum_timeout or DEFAULT_QUORUM_TIMEOUT_S)
+        if self._quorum_timeout is not None:
+            budget = min(budget, self._quorum_timeout)
+        budget = max(budget, 0.001)
+        shrink_only = any(r.shrink_only for r in reqs.values())
+        commit_failures = max(r.commit_failures for r in reqs.values())
+        data = {
+            "step": rnd.step,
+            "group_world_size": self.world_size,
+            "gather_s": round(now - rnd.first_at, 6),
+            "shrink_only_ranks": sorted(g for g, r in reqs.items() if r.shrink_only),
+            "commit_failures": commit_failures,
+        }
+        log.info("[%s] all %d ranks joined step %d; asking the lighthouse (timeout %.1fs)", self.replica_id, self.world_size, rnd.step, budget)
+        assert self._loop is not None
+        end = now + budget
+        attempt = 0
+        while True:
+            try:
+                quorum = await self._loop.run_in_executor(
+                    self._pool,
+                    lambda: self._lighthouse.quorum(
+                        self.replica_id,
+                        timeout=max(end - time.monotonic(), 0.001),
+                        address=self.address(),
+                        store_address=self.store_addr,
+                        step=rnd.step,
+                        world_size=self.world_size,
+                        shrink_only=shrink_only,
+                        data=json.dumps(data),
+                        commit_failures=commit_failures,
+                    ),
+                )
+                break
+            except ConnectionError as e:
+                # torchft's quorum_retries: retry a failed (not timed-out) call within the budget.
+                pause = min(0.1 * 2**attempt, 1.0)
+                if attempt >= self._quorum_retries or time.monotonic() + pause >= end or self._stopped.is_set():
+                    error: Exception = e
+                else:
+                    attempt += 1
+                    log.warning("[%s] lighthouse quorum failed (%s); retry %d/%d", self.replica_id, e, attempt, self._quorum_retries)
+                    await asyncio.sleep(pause)
+                    continue
+            except Exception as e:
+                error = e
+            self._fan_out_failure(rnd, error)
+            return
+        log.info("[%s] quorum %d formed with %d members", self.replica_id, quorum.quorum_id, len(quorum.members))
+        if not rnd.result.done():
+            rnd.result.set_result(quorum)
+
+    def _fan_out_failure(self, rnd: _QuorumRound, e: Exception) -> None:
+        """Every rank waiting on ``rnd`` gets the lighthouse's error now."""
+        if isinstance(e, TimeoutError):
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+        elif isinstance(e, ValueError):
+            code = grpc.StatusCode.INVALID_ARGUMENT
+        else:
+            code = grpc.StatusCode.UNAVAILABLE
+        msg = f"replica {self.replica_id}: lighthouse quorum for step {rnd.step} failed: {e}"
+        log.warning("[%s] %s", self.replica_id, msg)
+        if not rnd.result.done():
+            rnd.result.set_exception(_Failure(code, msg))
+
+    async def _checkpoint_metadata(
+        self, req: pb.CheckpointMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckpointMetadataResponse:
+        if req.rank not in self._metadata:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"replica {self.replica_id} has no checkpoint metadata for group rank {req.rank}: "
+                f"that rank has not sent a quorum request yet (known ranks: {sorted(self._metadata)})",
+            )
+        return pb.CheckpointMetadataResponse(checkpoint_metadata=self._metadata[req.rank])
+
+    async def _should_commit(self, req: pb.ShouldCommitRequest, context: grpc.aio.ServicerContext) -> pb.ShouldCommitResponse:
+        rank, step = req.group_rank, req.step
+        if not 0 <= rank < self.world_size:
+            await self._bad_rank(context, rank, "should_commit")
+        if step in self._decided:
+            return pb.ShouldCommitResponse(should_commit=self._decided[step])
+        rnd = self._commits.get(step)
+        if rnd is None:
+            rnd = self._commits[step] = _CommitRound()
+        rnd.votes[rank] = req.should_commit
+        if len(rnd.votes) == self.world_size:
+            decision = all(rnd.votes.values())
+            del self._commits[step]
+            self._decided[step] = decision
+            while len(self._decided) > _DECIDED_KEEP:
+                del self._decided[min(self._decided)]
+            log.info("[%s] should_commit for step %d: %s (votes %s)", self.replica_id, step, decision, dict(sorted(rnd.votes.items())))
+            rnd.decision.set_result(decision)
+            # Older undecided rounds can never be used now: release their waiters.
+            for old in [s for s in self._commits if s < step]:
+                stale = self._commits.pop(old)
+                if not stale.decision.done():
+                    stale.decision.set_exception(
+                        _Failure(
+                            grpc.StatusCode.ABORTED,
+                            f"replica {self.replica_id}: should_commit for step {old} superseded by step {step} "
+                            "before every rank voted",
+                        )
+                    )
+        try:
+            decision = await asyncio.shield(rnd.decision)
+        except _Failure as f:
+            await context.abort(f.code, f.message)
+        except asyncio.CancelledError:
+            if not rnd.decision.done() and self._commits.get(step) is rnd:
+                rnd.votes.pop(rank, None)
+                if not rnd.votes:
+                    del self._commits[step]
+            raise
+        return pb.ShouldCommitResponse(should_commit=decision)
+
+    async def _kill(self, req: pb.KillRequest, context: grpc.aio.ServicerContext) -> pb.KillResponse:
+        log.warning("[%s] got Kill: %s", self.replica_id, req.msg)
+        assert self._loop is not None
+        await self._loop.run_in_executor(self._pool, self._on_kill, req.msg)
+        return pb.KillResponse()
+
+    def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
+        for rnd in list(self._rounds.values()) + list(self._inflight):
+            if not rnd.result.done():
+                rnd.result.set_exception(_Failure(code, message))
+        for crnd in list(self._commits.values()):
+            if not crnd.decision.done():
+                crnd.decision.set_exception(_Failure(code, message))
+        self._rounds.clear()
+        self._commits.clear()
+
+    # ------------------------------------------------------------------ API
+    def address(self) -> str:
+        """``http://hostname:port`` (torchft's spelling)."""
+        host = self.hostname
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self._port}"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop serving, say goodbye to the lighthouse, join every thread. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._liveness is not None:
+            self._liveness.close("manager server shutdown", timeout=min(timeout, 5.0))
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:
+                pass
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("[%s] manager server thread did not stop within %.1fs", self.replica_id, timeout)
+        if self._heartbeat_thread.ident is not None:
+            self._heartbeat_thread.join(timeout)
+        self._lighthouse.close()  # cancels an in-flight lighthouse Quorum
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "ManagerServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+__all__ = ["ManagerServer"]
