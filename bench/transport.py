@@ -1,4 +1,4 @@
-"""Checkpoint transfer benchmark: rallypoint HTTP vs torchft 0.2 HTTP vs a raw socket.
+"""Checkpoint transfer benchmark: rallypoint HTTP and PG vs torchft 0.2 HTTP and PG vs a raw socket.
 
 Sender and receiver are separate processes on loopback. Per case the sender process
 serves one state dict three ways at once (rallypoint ``HTTPTransport``, torchft's
@@ -8,6 +8,16 @@ process; they take turns, round by round (one warm-up round, then ``--repeats``)
 shared machine's changing load hits all of them alike. ``rp_inplace`` is rallypoint
 receiving into a state dict of the same shapes that the receiver already holds (healing's
 real situation; that memory is part of its baseline RSS).
+
+Process-group transports: ``rp_pg`` is rallypoint's ``PGTransport`` on our
+``ProcessGroupGloo``, ``torchft_pg`` is torchft 0.2's ``PGTransport`` on torchft's
+``ProcessGroupGloo``; each is a 2-rank group (sender rank 0 in the sender process, a
+thread that sends the state dict again each time the previous send completed; the
+receiver is rank 1), both receiving into fresh tensors (``state_dict=None``/``into=None``);
+``rp_pg_inplace`` receives into a state dict of the same shapes that the receiver holds.
+torchft's receiver calls ``Tensor.numpy()`` to unpickle its metadata; where numpy is not
+installed the benchmark gives that receiver process a minimal stand-in (``tobytes`` of the
+buffer: one copy, as numpy's).
 
 Cases: 100 MB of 3 MB float32 tensors, 1 GB of them (``--full``), 4,000 tiny tensors.
 Reported per contender: the first (cold: fresh process, fresh memory, as in a real
@@ -45,7 +55,7 @@ CASES = {
     "1GB": ("big", 1024 * 1024 * 1024 // (TENSOR_NUMEL * 4)),
     "tiny4000": ("tiny", 4000),
 }
-CONTENDERS = ["rallypoint", "rp_inplace", "torchft0", "torchft4", "socket"]
+CONTENDERS = ["rallypoint", "rp_inplace", "torchft0", "torchft4", "socket", "rp_pg", "rp_pg_inplace", "torchft_pg"]
 TIMEOUT = timedelta(seconds=300)
 
 
@@ -104,9 +114,42 @@ def run_sender(case: str) -> None:
                     conn.sendall(v)
 
     threading.Thread(target=serve, daemon=True).start()
+
+    import torch.distributed as dist
+
+    pg_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+
+    def serve_pg(contender: str) -> None:
+        """Rank 0 of a 2-rank group: send the state dict, again and again (daemon thread)."""
+        addr = f"127.0.0.1:{pg_store.port}/{contender}"
+        if contender.startswith("rp_pg"):
+            from rallypoint.process_groups import ProcessGroupGloo
+            from rallypoint.transports.pg import PGTransport
+
+            pg = ProcessGroupGloo(timeout=TIMEOUT)
+            pg.configure(addr, "bench_sender", 0, 2, quorum_id=1)
+            tr: Any = PGTransport(pg, TIMEOUT)
+        else:
+            from torchft.checkpointing.pg_transport import PGTransport as TorchftPG
+            from torchft.process_group import ProcessGroupGloo as TorchftGloo
+
+            pg = TorchftGloo(timeout=TIMEOUT)
+            pg.configure(addr, "bench_sender", 0, 2, quorum_id=1)
+            tr = TorchftPG(pg, TIMEOUT, torch.device("cpu"))
+        while True:
+            try:
+                tr.send_checkpoint([1], 1, sd, TIMEOUT)
+            except Exception:  # noqa: BLE001 - the receiver went away: stop serving
+                return
+
+    for c in ("rp_pg", "rp_pg_inplace", "torchft_pg"):
+        threading.Thread(target=serve_pg, args=(c,), daemon=True).start()
     print(
         json.dumps(
             {
+                "rp_pg": f"127.0.0.1:{pg_store.port}/rp_pg",
+                "rp_pg_inplace": f"127.0.0.1:{pg_store.port}/rp_pg_inplace",
+                "torchft_pg": f"127.0.0.1:{pg_store.port}/torchft_pg",
                 "rallypoint": rp.metadata(),
                 "torchft0": tf0.metadata(),
                 "torchft4": tf4.metadata(),
@@ -145,6 +188,35 @@ def run_receiver(case: str, contender: str, addr: str) -> None:
         t = HTTPTransport(TIMEOUT, 4, bind="127.0.0.1:0")
         template = {k: torch.zeros_like(v) for k, v in make_state(case).items()}
         fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT, into=template, in_place=True)  # noqa: E731
+    elif contender.startswith("rp_pg"):
+        from rallypoint.process_groups import ProcessGroupGloo
+        from rallypoint.transports.pg import PGTransport
+
+        pg = ProcessGroupGloo(timeout=TIMEOUT)
+        pg.configure(addr, "bench_receiver", 1, 2, quorum_id=1)
+        t = PGTransport(pg, TIMEOUT)
+        pg_template = {k: torch.zeros_like(v) for k, v in make_state(case).items()} if contender == "rp_pg_inplace" else None
+        fetch = lambda: t.recv_checkpoint(0, "<pg>", 1, TIMEOUT, into=pg_template)  # noqa: E731
+    elif contender == "torchft_pg":
+        from torchft.checkpointing.pg_transport import PGTransport as TorchftPG
+        from torchft.process_group import ProcessGroupGloo as TorchftGloo
+
+        try:
+            import numpy  # noqa: F401
+        except ImportError:  # torchft unpickles buf.cpu().numpy().tobytes(): a stand-in
+
+            class _Bytes:
+                def __init__(self, x: Any) -> None:
+                    self._x = x.contiguous()
+
+                def tobytes(self) -> bytes:
+                    return bytes(byte_view(self._x))
+
+            torch.Tensor.numpy = lambda self, *a, **k: _Bytes(self)  # type: ignore[method-assign]
+        pg = TorchftGloo(timeout=TIMEOUT)
+        pg.configure(addr, "bench_receiver", 1, 2, quorum_id=1)
+        t = TorchftPG(pg, TIMEOUT, torch.device("cpu"))
+        fetch = lambda: t.recv_checkpoint(0, "<n/a>", 1, TIMEOUT)  # noqa: E731
     elif contender.startswith("torchft"):
         from torchft.checkpointing.http_transport import HTTPTransport as TorchftHTTP
 
@@ -190,6 +262,11 @@ def run_receiver(case: str, contender: str, addr: str) -> None:
     print(json.dumps({"base_kb": base, "first_hwm_kb": first_hwm, "hwm_kb": rss_kb("VmHWM")}), flush=True)
     if contender != "socket":
         t.shutdown()
+    if contender in ("rp_pg", "rp_pg_inplace", "torchft_pg"):
+        try:
+            pg.shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 def proc_cpu(pid: int) -> float:
@@ -307,6 +384,9 @@ def main() -> None:
             "inplace_vs_torchft0": rs["torchft0"]["median_s"] / ip,
             "first_fetch_rallypoint_vs_torchft0": rs["torchft0"]["first_s"] / rs["rallypoint"]["first_s"],
             "first_fetch_inplace_vs_torchft0": rs["torchft0"]["first_s"] / rs["rp_inplace"]["first_s"],
+            "pg_vs_torchft_pg": rs["torchft_pg"]["median_s"] / rs["rp_pg"]["median_s"],
+            "pg_inplace_vs_torchft_pg": rs["torchft_pg"]["median_s"] / rs["rp_pg_inplace"]["median_s"],
+            "first_fetch_pg_vs_torchft_pg": rs["torchft_pg"]["first_s"] / rs["rp_pg"]["first_s"],
         }
     if not a.json_only:
         print(
@@ -329,6 +409,11 @@ def main() -> None:
                 f"in-place {rt['inplace_vs_torchft0']:.2f}x torchft(0); first fetch: "
                 f"{rt['first_fetch_rallypoint_vs_torchft0']:.2f}x, in-place "
                 f"{rt['first_fetch_inplace_vs_torchft0']:.2f}x torchft(0)"
+            )
+            print(
+                f"{case:<10}PG ratio (median): ours {rt['pg_vs_torchft_pg']:.2f}x torchft PG, "
+                f"ours in place {rt['pg_inplace_vs_torchft_pg']:.2f}x; "
+                f"first fetch {rt['first_fetch_pg_vs_torchft_pg']:.2f}x"
             )
     print(json.dumps(summary))
 

@@ -3,6 +3,7 @@
 * :mod:`.wire` - the safe wire format (JSON header + raw tensor bytes; never unpickles).
 * :class:`CheckpointTransport` - the interface (torchft's names).
 * :class:`HTTPTransport` - uvicorn/FastAPI server thread, httpx client, parallel ranges.
+* :class:`PGTransport` - send/recv over a (reconfigurable) process group.
 
 ``HTTPTransport`` is imported lazily so ``import rallypoint.transports.wire`` does not pull
 in uvicorn and FastAPI.
@@ -15,7 +16,7 @@ from typing import Any
 from rallypoint.transports.base import CheckpointTransport
 from rallypoint.transports.wire import WireError
 
-__all__ = ["CheckpointTransport", "HTTPTransport", "WireError"]
+__all__ = ["CheckpointTransport", "HTTPTransport", "PGTransport", "WireError"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from rallypoint.transports.http import HTTPTransport
 
         return HTTPTransport
+    if name == "PGTransport":
+        from rallypoint.transports.pg import PGTransport
+
+        return PGTransport
     raise AttributeError(name)
