@@ -310,7 +310,7 @@ class PGTransport(CheckpointTransport[Any]):
         keep: list[torch.Tensor] = []
         for m in plan:
             if m.direct:
-                t = _u8(enc._tensors[m.first])
+                t = _u8(enc.tensor(m.first))
                 what = f"tensor {m.first}"
             else:
                 t = torch.empty(m.nbytes, dtype=torch.uint8)
@@ -432,10 +432,7 @@ class PGTransport(CheckpointTransport[Any]):
                 assert dest is not None
                 if buf is not dest:  # staged on the device
                     _u8(dest).copy_(buf)
-                # the group may have moved the storage (BabyGloo shares it in place): re-view it
-                sink._views[ti] = T.byte_view(sink._dest[ti])
-                for pi in pieces_of[ti]:
-                    sink._verify(pi)
+                sink.verify_tensor(ti, pieces_of[ti])
             else:
                 host = buf.cpu() if buf.device.type != "cpu" else buf
                 w = RangeWriter(sink, m.start, m.start + m.nbytes)
@@ -448,9 +445,8 @@ class PGTransport(CheckpointTransport[Any]):
             dest: torch.Tensor | None = None
             if m.direct:
                 ti = m.first
-                dest = sink._dest[ti]
-                assert dest is not None
-                if sink._direct[ti]:
+                dest = sink.destination(ti)
+                if sink.writes_into_target(ti):
                     sink.target_touched = True
                 buf = torch.empty(m.nbytes, dtype=torch.uint8, device=self._device) if self._on_device else _u8(dest)
                 if not self._on_device:

@@ -135,6 +135,10 @@ class Encoded:
             pos += v.nbytes
         self.data_bytes = pos
 
+    def tensor(self, i: int) -> torch.Tensor:
+        """The i-th tensor as encoded (contiguous, on the host), kept alive by this object."""
+        return self._tensors[i]
+
     @property
     def stream_bytes(self) -> int:
         return len(self.header) + self.data_bytes
@@ -397,6 +401,23 @@ class Sink:
 
     def writer(self, start: int, end: int) -> RangeWriter:
         return RangeWriter(self, start, end)
+
+    # Whole-tensor receive (PGTransport): the destination of tensor ``ti``, whether it
+    # is the caller's own target, and verification after its bytes were written.
+    def destination(self, ti: int) -> torch.Tensor:
+        dest = self._dest[ti]
+        assert dest is not None, f"tensor {ti} has no destination"
+        return dest
+
+    def writes_into_target(self, ti: int) -> bool:
+        return self._direct[ti]
+
+    def verify_tensor(self, ti: int, pieces: list[int]) -> None:
+        """Check ``pieces`` of tensor ``ti`` after it was filled. Views are taken afresh:
+        a process group may have moved the storage meanwhile (BabyGloo shares in place)."""
+        self._views[ti] = T.byte_view(self.destination(ti))
+        for pi in pieces:
+            self._verify(pi)
 
     def _verify(self, pi: int) -> None:
         ds, ln, ti, st, crc = self.header.pieces[pi]
