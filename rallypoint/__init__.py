@@ -17,6 +17,8 @@ _LAZY: dict[str, str] = {
     "LighthouseServer": "rallypoint.lighthouse.server:LighthouseServer",
     "LighthouseClient": "rallypoint.lighthouse.client:LighthouseClient",
     "LivenessStream": "rallypoint.lighthouse.client:LivenessStream",
+    "Manager": "rallypoint.manager.manager:Manager",
+    "WorldSizeMode": "rallypoint.manager.manager:WorldSizeMode",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ManagerClient", "ManagerServer", "QuorumResult", "compute_quorum_result"]
+__all__ = ["Manager", "ManagerClient", "ManagerServer", "QuorumResult", "WorldSizeMode", "compute_quorum_result"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,6 +21,10 @@ def __getattr__(name: str) -> Any:
         from rallypoint.manager.server import ManagerServer
 
         return ManagerServer
+    if name in ("Manager", "WorldSizeMode"):
+        from rallypoint.manager import manager
+
+        return getattr(manager, name)
     if name == "ManagerClient":
         from rallypoint.manager.client import ManagerClient
 

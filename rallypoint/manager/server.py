@@ -290,6 +290,9 @@ class ManagerServer:
                     self.replica_id, rank, req.step, others,
                 )
             rnd = self._rounds[req.step] = _QuorumRound(step=req.step, first_at=now)
+            # Every commit vote follows a quorum: a new round is a new attempt, so a
+            # remembered decision (e.g. a failed step being retried) must not answer it.
+            self._decided.clear()
         rnd.requests[rank] = req
         rnd.deadlines[rank] = now + remaining if remaining is not None else None
         log.debug("[%s] quorum request from group rank %d at step %d (%d/%d)", self.replica_id, rank, req.step, len(rnd.requests), self.world_size)
