@@ -28,8 +28,12 @@ log = logging.getLogger("rallypoint.lighthouse.client")
 TOKEN_ENV = "RALLYPOINT_TOKEN"
 
 
-def _seconds(t: float | timedelta) -> float:
+def seconds(t: float | timedelta) -> float:
+    """``timedelta`` or float seconds -> float seconds (every client accepts both)."""
     return t.total_seconds() if isinstance(t, timedelta) else float(t)
+
+
+grpc_target = addrs.grpc_target
 
 
 def _metadata(token: str | None) -> list[tuple[str, str]] | None:
@@ -53,7 +57,7 @@ class LighthouseClient:
     def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0, token: str | None = None) -> None:
         self.addr = addr
         self._target = addrs.grpc_target(addr)
-        self._connect_timeout = _seconds(connect_timeout)
+        self._connect_timeout = seconds(connect_timeout)
         self._metadata = _metadata(token)
         self._channel = grpc.insecure_channel(self._target)
         try:
@@ -97,7 +101,7 @@ class LighthouseClient:
             commit_failures=commit_failures,
             data=data if isinstance(data, str) else (json.dumps(data) if data is not None else ""),
         )
-        secs = _seconds(timeout)
+        secs = seconds(timeout)
         try:
             resp = self._quorum(
                 pb.LighthouseQuorumRequest(requester=requester), timeout=secs, metadata=self._metadata
@@ -107,7 +111,7 @@ class LighthouseClient:
         return quorum_from_pb(resp.quorum)
 
     def heartbeat(self, replica_id: str, timeout: float | timedelta = 5.0) -> None:
-        secs = _seconds(timeout)
+        secs = seconds(timeout)
         try:
             self._heartbeat(pb.LighthouseHeartbeatRequest(replica_id=replica_id), timeout=secs, metadata=self._metadata)
         except grpc.RpcError as e:
@@ -151,19 +155,24 @@ class LighthouseClient:
         self.close()
 
 
-def _translate(e: grpc.RpcError, what: str, timeout: float) -> Exception:
+def translate_rpc_error(e: grpc.RpcError, what: str, timeout: float, timeout_hint: str = "") -> Exception:
+    """A gRPC failure as the Python exception a caller can act on, naming ``what``."""
     code = e.code() if hasattr(e, "code") else None
     detail = e.details() if hasattr(e, "details") else str(e)
-    # torchft's lighthouse enforces the deadline itself and answers CANCELLED
-    # "Timeout expired", racing our own DEADLINE_EXCEEDED: both mean "no quorum in time".
+    # torchft's servers enforce the deadline themselves and answer CANCELLED
+    # "Timeout expired", racing our own DEADLINE_EXCEEDED: both mean a timeout.
     timed_out = code == grpc.StatusCode.CANCELLED and "timeout expired" in (detail or "").lower()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED or timed_out:
-        return TimeoutError(f"{what} timed out after {timeout:.1f}s (no quorum formed in time)")
+        return TimeoutError(f"{what} timed out after {timeout:.1f}s{timeout_hint}: {detail}")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(f"{what} was rejected: {detail}")
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return PermissionError(f"{what} was refused: {detail}")
     return ConnectionError(f"{what} failed ({code.name if code else 'error'}): {detail}")
+
+
+def _translate(e: grpc.RpcError, what: str, timeout: float) -> Exception:
+    return translate_rpc_error(e, what, timeout, " (no quorum formed in time)")
 
 
 class LivenessStream:
@@ -300,4 +309,4 @@ class LivenessStream:
         self.close()
 
 
-__all__ = ["LighthouseClient", "LivenessStream", "Member", "Quorum", "quorum_from_pb"]
+__all__ = ["LighthouseClient", "LivenessStream", "Member", "Quorum", "grpc_target", "quorum_from_pb", "seconds", "translate_rpc_error"]

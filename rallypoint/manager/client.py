@@ -16,27 +16,12 @@ from datetime import timedelta
 import grpc
 
 from rallypoint._proto import torchft_pb2 as pb
+from rallypoint.lighthouse.client import grpc_target, seconds, translate_rpc_error
 from rallypoint.manager.recovery import QuorumResult
 
 log = logging.getLogger("rallypoint.manager.client")
 
 
-def seconds(t: float | timedelta) -> float:
-    """``timedelta`` or float seconds -> float seconds."""
-    return t.total_seconds() if isinstance(t, timedelta) else float(t)
-
-
-def grpc_target(addr: str) -> str:
-    """``http://host:port/`` or ``host:port`` -> ``host:port``."""
-    a = addr.strip()
-    for prefix in ("http://", "https://", "grpc://"):
-        if a.startswith(prefix):
-            a = a[len(prefix) :]
-            break
-    a = a.rstrip("/")
-    if not a or ":" not in a:
-        raise ValueError(f"bad manager address {addr!r}: expected host:port or http://host:port")
-    return a
 
 
 def result_from_pb(resp: pb.ManagerQuorumResponse) -> QuorumResult:
@@ -172,14 +157,7 @@ class ManagerClient:
                 raise self._translate(e, "kill", secs) from None
 
     def _translate(self, e: grpc.RpcError, what: str, timeout: float) -> Exception:
-        code = e.code() if hasattr(e, "code") else None
-        detail = e.details() if hasattr(e, "details") else str(e)
-        where = f"{what} at manager {self.addr}"
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return TimeoutError(f"{where} timed out after {timeout:.1f}s: {detail}")
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return ValueError(f"{where} was rejected: {detail}")
-        return ConnectionError(f"{where} failed ({code.name if code else 'error'}): {detail}")
+        return translate_rpc_error(e, f"{what} at manager {self.addr}", timeout)
 
     def close(self) -> None:
         self._channel.close()

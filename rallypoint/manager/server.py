@@ -34,7 +34,8 @@ import grpc
 
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint.lighthouse.client import LighthouseClient, LivenessStream, Quorum
-from rallypoint.manager.client import result_to_pb, seconds
+from rallypoint.lighthouse.client import seconds
+from rallypoint.manager.client import result_to_pb
 from rallypoint.manager.recovery import compute_quorum_result
 
 log = logging.getLogger("rallypoint.manager")
