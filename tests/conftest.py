@@ -314,3 +314,24 @@ def cli_lighthouse(rallypoint_cli: Callable[..., Proc]) -> Callable[..., CliLigh
         return CliLighthouse(proc, proc.json_line(timeout))
 
     return start
+
+
+# ----------------------------------------------------------------------- replica groups
+
+
+@pytest.fixture
+def replicas_factory(tmp_path: Path) -> Iterator[Callable[[Any], Any]]:
+    """``replicas_factory(lighthouse)`` -> a ``replica_worker.Replicas`` whose worker
+    processes are all SIGKILLed and reaped at teardown."""
+    from replica_worker import Replicas
+
+    made: list[Replicas] = []
+
+    def make(lh: Any) -> Replicas:
+        r = Replicas(tmp_path, lh.address())
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.kill_all()

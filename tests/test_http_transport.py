@@ -169,8 +169,8 @@ def test_in_place_into_template(transports: Callable[..., HTTPTransport]) -> Non
         assert_same(sd, out)
 
 
-def test_wrong_step_409_and_nothing_served_404(transports: Callable[..., HTTPTransport]) -> None:
-    src, dst = transports(), transports()
+def test_wrong_step_409_nothing_served_404_withdrawn_410(transports: Callable[..., HTTPTransport]) -> None:
+    src, dst = transports(), transports(publish_wait=timedelta(0))
     with pytest.raises(SourceRefused, match="no checkpoint is being served") as ei:
         dst.recv_checkpoint(0, src.metadata(), 5, TEN)
     assert ei.value.status == 404
@@ -181,9 +181,44 @@ def test_wrong_step_409_and_nothing_served_404(transports: Callable[..., HTTPTra
     r = httpx.get(f"{src.metadata()}/checkpoint/6/data", params={"start": 0, "end": 4}, timeout=5)
     assert r.status_code == 409 and "step 5" in r.text
     src.disallow_checkpoint()
+    patient = transports()  # even a receiver that waits for a publish gives up on a withdrawn step
+    t0 = time.monotonic()
+    with pytest.raises(SourceRefused, match="step 5 was withdrawn") as ei:
+        patient.recv_checkpoint(0, src.metadata(), 5, TEN)
+    assert ei.value.status == 410 and time.monotonic() - t0 < 5
     with pytest.raises(SourceRefused) as ei:
-        dst.recv_checkpoint(0, src.metadata(), 5, TEN)
+        dst.recv_checkpoint(0, src.metadata(), 7, TEN)
     assert ei.value.status == 404
+
+
+def test_receiver_waits_for_the_source_to_publish(transports: Callable[..., HTTPTransport]) -> None:
+    """A receiver that asks before the sender publishes gets the state once it is
+    published; one that waits past ``publish_wait`` gets a timeout naming the step."""
+    import threading
+
+    src, dst = transports(), transports(publish_wait=timedelta(seconds=5))
+    sd = make_state(3)
+    got: dict[str, Any] = {}
+    asked = threading.Event()
+    real_get = dst._get_header
+
+    def spy(*a: Any, **kw: Any) -> bytes:
+        asked.set()
+        return real_get(*a, **kw)
+
+    dst._get_header = spy  # type: ignore[method-assign]
+    t = threading.Thread(target=lambda: got.update(out=dst.recv_checkpoint(0, src.metadata(), 4, TEN)))
+    t.start()
+    assert asked.wait(10)
+    src.send_checkpoint([1], 4, sd, TEN)
+    t.join(15)
+    assert not t.is_alive()
+    assert_same(sd, got["out"])
+
+    src.disallow_checkpoint()
+    impatient = transports(publish_wait=timedelta(milliseconds=200))
+    with pytest.raises(TransferTimeout, match="step 9"):
+        impatient.recv_checkpoint(0, src.metadata(), 9, TEN)
 
 
 def test_bearer_token(transports: Callable[..., HTTPTransport]) -> None:
@@ -448,3 +483,14 @@ def test_portable_path_without_the_raw_socket(
     sd = make_state(14)
     src.send_checkpoint([1], 1, sd, TEN)
     assert_same(sd, dst.recv_checkpoint(0, src.metadata(), 1, TEN))
+
+
+def test_shutdown_without_waiting_ends_cleanly(caplog: pytest.LogCaptureFixture) -> None:
+    """``shutdown(wait=False)`` (what a manager does on its way out) must not pull the
+    socket from under the running server: no crash is logged, the port is released."""
+    t = HTTPTransport(timeout=TEN, bind="127.0.0.1:0")
+    t.shutdown(wait=False)
+    t._thread.join(10)
+    assert not t._thread.is_alive()
+    assert not [r for r in caplog.records if "crashed" in r.getMessage()], caplog.text
+    assert t._sock.fileno() == -1

@@ -20,6 +20,7 @@ from test_process_groups_util import (
     shared_pool,
     w_allreduce,
     w_allreduce_loop,
+    w_allreduce_then_abort,
     w_configure,
     w_errored,
     w_reconfigure_loop,
@@ -81,6 +82,20 @@ def test_sigkilled_peer_fails_survivors_within_timeout_then_they_recover(pool: W
     assert pool.run([0, 1], w_configure, lambda r: (KIND, a2, r, 2, 2, timeout_s), 30) == [(0, 2), (1, 2)]
     assert pool.run([0, 1], w_errored, lambda r: (), 10) == [None, None]
     assert pool.run([0, 1], w_allreduce, lambda r: ([float(r + 1), 2.0],), 30) == [[3.0, 4.0], [3.0, 4.0]]
+
+def test_abort_releases_a_wait_blocked_on_a_hung_peer(pool: WorkerPool, store: Any) -> None:
+    """Rank 2 is alive but never joins the allreduce: gloo alone would keep ranks 0 and 1
+    waiting for the whole timeout (its own abort does not wake them). Aborting our group
+    fails their wait at once with ProcessGroupAborted."""
+    timeout_s = 4.0
+    a = addr(store)
+    pool.run([0, 1, 2], w_configure, lambda r: (KIND, a, r, 3, 1, timeout_s), 60)
+    outcomes = pool.run([0, 1], w_allreduce_then_abort, lambda r: (0.3,), 30)
+    for o in outcomes:
+        assert o["raised"] is not None and o["raised"].startswith("ProcessGroupAborted"), o
+        assert o["wait_s"] < 2.0, o  # not the 4 s timeout
+        assert o["errored"] is not None, o
+
 
 def test_missing_peer_times_out_configure_and_ops_do_not_hang(pool: WorkerPool, store: Any) -> None:
     """Rank 2 never shows up: configure fails within the timeout with a clear error."""

@@ -211,6 +211,24 @@ def w_errored(key: str = "pg") -> str | None:
     return None if e is None else f"{type(e).__name__}: {e}"
 
 
+def w_allreduce_then_abort(abort_after_s: float, key: str = "pg") -> dict[str, Any]:
+    """Post an allreduce that cannot finish (a peer never joins), abort the group from
+    another thread after ``abort_after_s``; report how long the wait took and its error."""
+    import torch
+
+    pg = STATE[key]
+    t = torch.ones(8)
+    work = pg.allreduce([t])
+    threading.Timer(abort_after_s, pg.abort).start()
+    start = time.monotonic()
+    try:
+        work.wait()
+        raised = None
+    except Exception as e:  # noqa: BLE001 - the failure is what the test checks
+        raised = f"{type(e).__name__}: {e}"
+    return {"raised": raised, "wait_s": time.monotonic() - start, "errored": w_errored(key)}
+
+
 def w_allreduce_loop(numel: int, max_iters: int, key: str = "pg") -> dict[str, Any]:
     """Allreduce in a loop until an op fails; report progress after the first op."""
     import torch

@@ -10,6 +10,8 @@ uses it to bound its own lighthouse call). gRPC errors become ``TimeoutError``,
 
 from __future__ import annotations
 
+import threading
+
 import logging
 from datetime import timedelta
 
@@ -63,22 +65,42 @@ def result_to_pb(r: QuorumResult) -> pb.ManagerQuorumResponse:
     return msg
 
 
+def quorum_request(
+    group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool, commit_failures: int, init_sync: bool
+) -> pb.ManagerQuorumRequest:
+    """The ``Quorum`` request one rank sends (over gRPC or in process)."""
+    return pb.ManagerQuorumRequest(
+        group_rank=group_rank,
+        step=step,
+        checkpoint_metadata=checkpoint_metadata,
+        shrink_only=shrink_only,
+        init_sync=init_sync,
+        commit_failures=commit_failures,
+    )
+
+
 class ManagerClient:
     """Client of a replica group's ``ManagerServer`` (torchft's ``ManagerClient(addr,
     connect_timeout)``). Thread-safe; ``close()`` releases the channel."""
 
-    def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0) -> None:
+    def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0, *, fail_fast: bool = False) -> None:
+        """``fail_fast``: give up at the first refused connection instead of retrying
+        until ``connect_timeout`` (for a peer that was alive a moment ago, such as a heal
+        source: if it refuses now, it died, and waiting would stall the whole quorum)."""
         self.addr = addr
         self._connect_timeout = seconds(connect_timeout)
         self._channel = grpc.insecure_channel(grpc_target(addr))
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=self._connect_timeout)
-        except grpc.FutureTimeoutError:
-            self._channel.close()
-            raise ConnectionError(
-                f"could not connect to the manager server at {addr} within {self._connect_timeout:.1f}s; "
-                "is group rank 0 of this replica group running (check MASTER_ADDR / the manager port)?"
-            ) from None
+        if fail_fast:
+            self._connect_fail_fast()
+        else:
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=self._connect_timeout)
+            except grpc.FutureTimeoutError:
+                self._channel.close()
+                raise ConnectionError(
+                    f"could not connect to the manager server at {addr} within {self._connect_timeout:.1f}s; "
+                    "is group rank 0 of this replica group running (check MASTER_ADDR / the manager port)?"
+                ) from None
         self._quorum_call = self._channel.unary_unary(
             "/torchft.ManagerService/Quorum",
             request_serializer=pb.ManagerQuorumRequest.SerializeToString,
@@ -100,6 +122,27 @@ class ManagerClient:
             response_deserializer=pb.KillResponse.FromString,
         )
 
+    def _connect_fail_fast(self) -> None:
+        settled = threading.Event()
+        state: list[grpc.ChannelConnectivity] = []
+
+        def watch(c: grpc.ChannelConnectivity) -> None:
+            if c in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                     grpc.ChannelConnectivity.SHUTDOWN):
+                state.append(c)
+                settled.set()
+
+        self._channel.subscribe(watch, try_to_connect=True)
+        try:
+            ok = settled.wait(self._connect_timeout)
+        finally:
+            self._channel.unsubscribe(watch)
+        if ok and state[0] == grpc.ChannelConnectivity.READY:
+            return
+        self._channel.close()
+        why = "refused the connection" if ok else f"did not answer within {self._connect_timeout:.1f}s"
+        raise ConnectionError(f"the manager server at {self.addr} {why}; that replica is probably down")
+
     def _quorum(
         self,
         group_rank: int,
@@ -113,14 +156,7 @@ class ManagerClient:
         """Join this step's quorum for ``group_rank``; blocks until the group's quorum
         forms (every rank of the group asked and the lighthouse answered)."""
         secs = seconds(timeout)
-        req = pb.ManagerQuorumRequest(
-            group_rank=group_rank,
-            step=step,
-            checkpoint_metadata=checkpoint_metadata,
-            shrink_only=shrink_only,
-            init_sync=init_sync,
-            commit_failures=commit_failures,
-        )
+        req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync)
         try:
             resp = self._quorum_call(req, timeout=secs)
         except grpc.RpcError as e:
@@ -169,4 +205,4 @@ class ManagerClient:
         self.close()
 
 
-__all__ = ["ManagerClient", "result_from_pb", "result_to_pb"]
+__all__ = ["ManagerClient", "quorum_request", "result_from_pb", "result_to_pb"]

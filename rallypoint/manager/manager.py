@@ -9,11 +9,22 @@ One step looks like::
         optimizer.step()
 
 Errors during a step (allreduce, configure, heal) are recorded with :meth:`report_error`
-and turn :meth:`should_commit` false; they are never raised mid-step. A replica that is
+and turn :meth:`should_commit` false; they are never raised mid-step. The first
+communication error also aborts the process group, so peers blocked in the same
+collective fail at once instead of waiting for their timeout; so does the lighthouse's
+notice that a member of the quorum died (relayed to every rank of the group).
+
+Healing never writes user state while forward/backward may read it. A replica that is
 behind receives the state of an up-to-date peer through the checkpoint transport on the
-quorum thread; the state is applied on the training thread (in :meth:`should_commit`,
-:meth:`wait_quorum`, or in :meth:`start_quorum` when the quorum is synchronous), never
-while the forward/backward pass may be reading the model.
+quorum thread and applies it in :meth:`should_commit` (or :meth:`wait_quorum`, or
+:meth:`start_quorum` when the quorum is synchronous). A sender serves its state as soon
+as its quorum arrives (its ``state_dict()`` callbacks run on the quorum thread, as in
+torchft) so the healing peer finds it at once; the state is withdrawn in
+:meth:`should_commit`, before the optimizer may change it.
+
+A quorum that does not form within ``quorum_timeout`` is not a communication hiccup:
+:meth:`should_commit` and :meth:`wait_quorum` raise a ``TimeoutError`` that names the
+replica and the lighthouse.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch.distributed import ReduceOp, TCPStore
 
+from rallypoint.manager._peer_relay import PeerDownRelay
+from rallypoint.manager._work import DoneWork, ManagedWork
 from rallypoint.manager.client import ManagerClient
 from rallypoint.manager.recovery import QuorumResult
 
@@ -73,69 +86,6 @@ def _env(value: Any, *names: str) -> Any:
 class _ReplicaLog(logging.LoggerAdapter):
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         return f"[{self.extra['replica_id']}/{self.extra['group_rank']}] {msg}", kwargs  # type: ignore[index]
-
-
-class _DoneWork:
-    """A completed no-op work (what allreduce returns once the step has failed)."""
-
-    def __init__(self, result: Any = None) -> None:
-        self._result = result
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(self._result)
-        return fut
-
-    def exception(self) -> None:
-        return None
-
-
-class _ManagedWork(_DoneWork):
-    """Wraps a process-group work: on ``wait`` finishes the mean, and routes a failure
-    to the manager instead of raising it."""
-
-    def __init__(self, manager: "Manager", inner: Any, tensor: torch.Tensor, divisor: int | None) -> None:
-        super().__init__(tensor)
-        self._manager = manager
-        self._inner = inner
-        self._tensor = tensor
-        self._divisor = divisor
-        self._done = False
-        self._lock = threading.Lock()
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        with self._lock:
-            if self._done:
-                return True
-            try:
-                ok = self._inner.wait(timeout if timeout is not None else self._manager._timeout)
-                if ok is False:
-                    raise TimeoutError("allreduce did not complete in time")
-                if self._divisor:
-                    if self._tensor.is_floating_point() or self._tensor.is_complex():
-                        self._tensor.div_(self._divisor)
-                    else:
-                        self._tensor.div_(self._divisor, rounding_mode="trunc")
-            except Exception as e:  # noqa: BLE001 - recorded, the step will not commit
-                self._manager.report_error(e)
-            self._done = True
-            return True
-
-    def is_completed(self) -> bool:
-        return self._done
-
-    def get_future(self) -> torch.futures.Future:
-        self.wait()
-        return super().get_future()
 
 
 class Manager:
@@ -204,13 +154,19 @@ class Manager:
         self._err_lock = threading.Lock()
         self._healing = False
         self._pending_state_dict: dict[str, Any] | None = None
+        self._round = 0  # start_quorum calls so far
+        self._quorum_round = -1  # the round _last_quorum was received in
+        self._quorum_error: TimeoutError | None = None
+        self._aborted_quorum: int | None = None
+        self._relay: PeerDownRelay | None = None
+        self._lighthouse_addr: str | None = None
         self._participating_rank: int | None = None
         self._participating_world_size = 0
         self._quorum_future: cf.Future | None = None
         self._last_quorum: QuorumResult | None = None
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rallypoint-quorum")
         self._server: Any = None
-        self._client: ManagerClient | None = None
+        self._client: Any = None  # ManagerClient, or LocalManagerClient on group rank 0
         self._log: logging.LoggerAdapter = _ReplicaLog(log, {"replica_id": replica_id, "group_rank": self._group_rank})
 
         self._own_transport = checkpoint_transport is None
@@ -255,6 +211,7 @@ class Manager:
             lh = _env(lighthouse_addr, "RALLYPOINT_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE")
             if lh is None:
                 raise ValueError("no lighthouse address: pass lighthouse_addr or set RALLYPOINT_LIGHTHOUSE")
+            self._lighthouse_addr = lh
             rid = _env(replica_id, "REPLICA_GROUP_ID")
             rid = f"{rid}:{uuid.uuid4()}" if rid else str(uuid.uuid4())
             mport = int(_env(port, "RALLYPOINT_MANAGER_PORT", "TORCHFT_MANAGER_PORT") or 0)
@@ -277,20 +234,55 @@ class Manager:
         addr = self._store.get(MANAGER_ADDR_KEY).decode()
         self._replica_id = self._store.get(REPLICA_ID_KEY).decode()
         self._log.extra["replica_id"] = self._replica_id  # type: ignore[index]
-        self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
+        if self._server is not None:
+            from rallypoint.manager.server import LocalManagerClient
+
+            self._client = LocalManagerClient(self._server)  # no gRPC round trip to ourselves
+        else:
+            self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
+        if self._group_world_size > 1:
+            self._relay = PeerDownRelay(store_host, self._store.port, self._group_rank, self._on_peer_down,
+                                        self._connect_timeout)
+            if not is_master:
+                self._relay.start()
         self._log.info("manager ready: server %s, store %s:%d", addr, store_host, self._store.port)
 
     def _on_peer_down(self, replica_id: str, reason: str) -> None:
-        # Runs on the liveness thread. Abort only when the dead peer is in our group, so
-        # a blocked collective fails now instead of after the full timeout.
-        q = self._last_quorum
-        if q is not None and replica_id in q.replica_ids:
-            self._log.warning("peer %s is down (%s): aborting the process group", replica_id, reason)
-            self.report_error(ConnectionError(f"peer replica {replica_id} went down: {reason}"))
+        # Runs on the liveness thread (rank 0) or the relay thread (other ranks). Abort only
+        # when the dead peer is in our quorum, so a blocked collective fails now instead of
+        # after the full timeout.
+        if self._group_rank == 0 and self._relay is not None:
             try:
-                self._pg.abort()
+                self._relay.publish(replica_id, reason)
             except Exception as e:  # noqa: BLE001
-                self._log.warning("abort after peer loss failed: %s", e)
+                self._log.warning("could not relay the loss of %s to the other group ranks: %s", replica_id, e)
+        fut, q = self._quorum_future, self._last_quorum
+        if fut is not None and not fut.done() and self._quorum_round != self._round:
+            # This step's quorum is still being formed: the lighthouse leaves the dead peer out.
+            self._log.info("peer %s is down (%s) while a quorum forms; not aborting", replica_id, reason)
+            return
+        if q is not None and replica_id in q.replica_ids and replica_id != self._replica_id:
+            self._abort(ConnectionError(f"peer replica {replica_id} went down ({reason})"))
+
+    def _abort(self, e: Exception) -> None:
+        """Record ``e`` and abort the process group once per quorum, so that every
+        collective blocked on it (ours and, through the closed connections, our peers')
+        fails now. The next quorum has a new id (this step reports a commit failure), so
+        the group is rebuilt before it is used again."""
+        self.report_error(e)
+        with self._err_lock:
+            if self._aborted_quorum == self._quorum_id:
+                return
+            self._aborted_quorum = self._quorum_id
+        self._log.warning("aborting the process group of quorum %d: %s", self._quorum_id, e)
+        try:
+            self._pg.abort()
+        except Exception as ae:  # noqa: BLE001
+            self._log.warning("process group abort failed: %s", ae)
+
+    def _comm_failed(self, e: Exception) -> None:
+        """A collective failed or timed out (called from a work's ``wait``)."""
+        self._abort(e)
 
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
@@ -323,6 +315,8 @@ class Manager:
             self._errored = None
         self._healing = False
         self._pending_state_dict = None
+        self._quorum_error = None
+        self._round += 1
         self._quorum_future = self._executor.submit(
             self._async_quorum, allow_heal, shrink_only, timeout or self._quorum_timeout
         )
@@ -341,13 +335,20 @@ class Manager:
         except Exception as e:  # noqa: BLE001 - _async_quorum records its own errors
             self.report_error(e)
 
+    def _quorum_done(self) -> None:
+        """Training-thread side of the quorum: wait for it (bounded)."""
+        self._wait_future()
+
     def wait_quorum(self) -> None:
-        """Wait for the quorum; then apply a received heal (call it outside forward/backward)."""
+        """Wait for the quorum; serve or apply a heal (call it outside forward/backward).
+        Raises ``TimeoutError`` when no quorum formed within ``quorum_timeout``."""
         if self._quorum_future is None:
             raise RuntimeError("wait_quorum() called before start_quorum()")
-        self._wait_future()
+        self._quorum_done()
         if self._healing:
             self._apply_pending_state_dict()
+        if self._quorum_error is not None:
+            raise self._quorum_error
 
     def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout: timedelta) -> None:
         assert self._client is not None
@@ -364,9 +365,16 @@ class Manager:
         except Exception as e:  # noqa: BLE001
             self._log.warning("quorum failed: %s", e)
             self._participating_rank, self._participating_world_size = None, 0
+            if isinstance(e, TimeoutError):
+                self._quorum_error = TimeoutError(
+                    f"replica {self._replica_id} (group rank {self._group_rank}): no quorum formed for step "
+                    f"{self._step} within {timeout.total_seconds():.1f}s (lighthouse {self._lighthouse_addr or 'via group rank 0'}; "
+                    f"are at least min_replicas replica groups running and reaching it?): {e}"
+                )
             self.report_error(e)
             return
         self._last_quorum = q
+        self._quorum_round = self._round
         if self._use_async_quorum or not allow_heal:
             prank, pws = q.max_replica_rank, q.max_world_size
         else:
@@ -398,9 +406,12 @@ class Manager:
             return
         try:
             if q.recover_dst_replica_ranks:
+                # Served now, so the healing peer finds it as soon as it asks; the state
+                # is not mutated before should_commit withdraws it (the optimizer steps
+                # after that). User state_dict callbacks therefore run on this thread.
                 self._log.info("serving step %d to replica ranks %s", q.max_step, q.recover_dst_replica_ranks)
                 self._transport.send_checkpoint(
-                    dst_ranks=q.recover_dst_replica_ranks, step=q.max_step,
+                    dst_ranks=list(q.recover_dst_replica_ranks), step=q.max_step,
                     state_dict=self._manager_state_dict(), timeout=self._timeout,
                 )
             if q.heal:
@@ -409,7 +420,8 @@ class Manager:
                 assert src is not None, "heal without a recovery source"
                 self._log.info("healing to step %d from replica rank %d (%s)", q.max_step, src,
                                q.recover_src_manager_address)
-                with ManagerClient(q.recover_src_manager_address, connect_timeout=self._connect_timeout) as peer:
+                with ManagerClient(q.recover_src_manager_address, connect_timeout=self._connect_timeout,
+                                   fail_fast=True) as peer:
                     meta = peer._checkpoint_metadata(self._group_rank, timeout=self._timeout)
                 self._pending_state_dict = self._transport.recv_checkpoint(
                     src_rank=src, metadata=meta, step=q.max_step, timeout=self._timeout
@@ -446,19 +458,30 @@ class Manager:
         with ``wait()``. A healing or spare replica contributes zeros. Never raises for a
         communication failure: it is recorded and the step will not commit."""
         if self.errored() is not None:
-            return _DoneWork(tensor)
-        self._wait_future()
+            return DoneWork(tensor)
+        self._quorum_done()
         if self.errored() is not None:
-            return _DoneWork(tensor)
+            return DoneWork(tensor)
+        avg = reduce_op == ReduceOp.AVG
+        if not self.is_participating() or self._participating_world_size < self._quorum_size():
+            # Someone contributes zeros: only a sum (or mean) stays right.
+            if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
+                raise ValueError(
+                    f"replica {self._replica_id}: allreduce with {reduce_op} while some replicas are healing or "
+                    "spares (they contribute zeros); only SUM and AVG are supported then"
+                )
         if not self.is_participating():
             tensor.zero_()
-        avg = reduce_op == ReduceOp.AVG
         try:
             work = self._pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
         except Exception as e:  # noqa: BLE001
-            self.report_error(e)
-            return _DoneWork(tensor)
-        return _ManagedWork(self, work, tensor, max(1, self.num_participants()) if avg else None)
+            self._comm_failed(e)
+            return DoneWork(tensor)
+        return ManagedWork(self, work, tensor, max(1, self._participating_world_size) if avg else None)
+
+    def _quorum_size(self) -> int:
+        q = self._last_quorum
+        return q.replica_world_size if q is not None else 0
 
     def report_error(self, e: Exception) -> None:
         """Mark this step failed (it will not commit); the next quorum recovers."""
@@ -477,7 +500,7 @@ class Manager:
         assert self._client is not None
         if self._quorum_future is None:
             raise RuntimeError("should_commit() called before start_quorum()")
-        self._wait_future()
+        self._quorum_done()
         if self._healing:
             self._apply_pending_state_dict()
         pg_err = self._pg.errored()
@@ -498,6 +521,9 @@ class Manager:
             self._transport.disallow_checkpoint()
         except Exception as e:  # noqa: BLE001
             self._log.warning("disallow_checkpoint failed: %s", e)
+        if self._quorum_error is not None:
+            self._commit_failures += 1
+            raise self._quorum_error
         if decision:
             self._step += 1
             self._batches_committed += self._participating_world_size
@@ -540,6 +566,8 @@ class Manager:
     def shutdown(self, wait: bool = True) -> None:
         """Stop the quorum thread, the transport, the client and (rank 0) the server."""
         self._executor.shutdown(wait=wait, cancel_futures=True)
+        if self._relay is not None:
+            self._relay.close()
         if self._own_transport and getattr(self, "_transport", None) is not None:
             self._transport.shutdown(wait=wait)
         if self._client is not None:

@@ -9,7 +9,9 @@ reduce-scatter falls back to an allreduce of a copy when the backend has none.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -31,7 +33,7 @@ from torch.distributed.distributed_c10d import (
 
 from ._store import StoreClients, fresh_prefix_store
 from .base import DEFAULT_TIMEOUT, GroupConfig, ProcessGroup
-from .errors import ProcessGroupAborted
+from .errors import ProcessGroupAborted, ProcessGroupError
 from .work import FailedWork, OpWork
 
 logger = logging.getLogger("rallypoint.process_groups.gloo")
@@ -97,6 +99,19 @@ class _WorkChain(Work):
         return torch.futures.collect_all([w.get_future() for w in self._works])
 
 
+def _release(backend: Any, stuck: list[Work]) -> None:
+    """Let an aborted backend's unfinished ops end (by completion or gloo's own timeout)
+    before dropping it: destroying a gloo group under a running op aborts the process.
+    Runs on its own thread, so no caller waits for it."""
+    for work in stuck:
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 - the op failed: that is how it ends
+            pass
+    del stuck
+    del backend
+
+
 class TorchBackendGroup(ProcessGroup):
     """A reconfigurable group driving one of torch's C++ backends, rebuilt per configure.
 
@@ -113,6 +128,9 @@ class TorchBackendGroup(ProcessGroup):
         # Tests force the emulated reduce-scatter path with this.
         self.emulate_reduce_scatter = False
         self._infos: dict[str, Any] = {}  # OpInfo per op name, rebuilt per configure
+        self._pending: weakref.WeakSet[OpWork] = weakref.WeakSet()  # interrupted by abort()
+        self._pending_lock = threading.Lock()
+        self._connect_wake: threading.Event | None = None  # set while a configure connects
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -130,8 +148,7 @@ class TorchBackendGroup(ProcessGroup):
             store_barrier(store, cfg.world_size, self._connect_timeout)
         t1 = time.monotonic()
         try:
-            # Blocks until all ranks connected, bounded by the timeout.
-            backend = self._create_backend(store, cfg)
+            backend = self._connect_abortably(store, cfg)
         except Exception:
             self._clients.drop()
             raise
@@ -142,8 +159,74 @@ class TorchBackendGroup(ProcessGroup):
     def _create_backend(self, store: Store, cfg: GroupConfig) -> Any:
         raise NotImplementedError
 
+    def _connect_abortably(self, store: Store, cfg: GroupConfig) -> Any:
+        """``_create_backend`` (which blocks until every rank connected, bounded by the
+        timeout) on a helper thread, so that :meth:`abort` can release a configure stuck on
+        a peer that died mid-connect; the abandoned connect ends by its own timeout and
+        its backend, if any, is dropped there."""
+        wake = threading.Event()
+        box: dict[str, Any] = {}
+
+        def connect() -> None:
+            try:
+                box["backend"] = self._create_backend(store, cfg)
+            except BaseException as e:  # noqa: BLE001 - handed to the configuring thread
+                box["error"] = e
+            finally:
+                wake.set()
+                if box.get("abandoned"):
+                    box.clear()  # nobody will use it: release the backend here
+
+        self._connect_wake = wake
+        threading.Thread(target=connect, name="rallypoint-gloo-connect", daemon=True).start()
+        limit = (self._connect_timeout or self._timeout).total_seconds() + self._timeout.total_seconds() + 5.0
+        try:
+            wake.wait(limit)
+        finally:
+            self._connect_wake = None
+        if "backend" in box:
+            return box["backend"]
+        if "error" in box:
+            raise box["error"]
+        box["abandoned"] = True
+        if wake.is_set() and "backend" in box:  # finished just now
+            return box.pop("backend")
+        if self._error is not None:
+            raise ProcessGroupAborted(f"connect aborted: {self._error}")
+        raise TimeoutError(f"connect did not finish within {limit:.0f}s")
+
     def _wrap(self, inner: Work, info: Any, finish: Callable[[], None] | None, result: Any) -> Work:
-        return OpWork(inner, info, self._record_error, finish, result)
+        work = OpWork(inner, info, self._record_error, finish, result)
+        with self._pending_lock:
+            self._pending.add(work)
+        return work
+
+    def abort(self) -> None:
+        """Stop the group now; every pending ``wait()`` fails at once (the backend's
+        stuck ops end by their own timeout, with the old backend)."""
+        cfg = self._config
+        self._record_error(
+            ProcessGroupAborted(
+                f"{type(self).__name__} was aborted (quorum {cfg.quorum_id if cfg else None}); reconfigure it",
+                op="abort", world_size=cfg.world_size if cfg else None, quorum_id=cfg.quorum_id if cfg else None,
+            )
+        )
+        wake = self._connect_wake
+        if wake is not None:
+            wake.set()  # release a configure blocked in connect
+        with self._pending_lock:
+            pending, self._pending = list(self._pending), weakref.WeakSet()
+        err = self._error
+        for work in pending:
+            if isinstance(err, ProcessGroupError):
+                work.interrupt(err)
+        # Dropping the backend joins its worker threads, which wait out a stuck op's
+        # timeout: let that happen off the caller's thread.
+        backend, self._backend, self._store = self._backend, None, None
+        if backend is not None:
+            stuck = [w.inner for w in pending]
+            threading.Thread(target=_release, args=(backend, stuck), name="rallypoint-gloo-release", daemon=True).start()
+        del backend
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -138,6 +138,26 @@ class OpWork(Work):
         self._finished = False
         self._error: ProcessGroupError | None = None
         self._start = time.monotonic()
+        self._done = threading.Event()
+        self._watched = False
+
+    def interrupt(self, err: ProcessGroupError) -> None:
+        """Fail a pending ``wait()`` now with ``err`` (the group was aborted).
+
+        A backend op blocked on a hung or dead peer cannot be cancelled (gloo's own
+        abort leaves it waiting for its timeout), but its waiter need not wait with it:
+        the caller moves on to a new quorum, and the stuck op ends with its old backend.
+        """
+        with self._lock:
+            if self._done.is_set() or self._error is not None:
+                return
+            self._error = err
+        self._done.set()
+
+    @property
+    def inner(self) -> Work:
+        """The backend's own work."""
+        return self._inner
 
     def _finish_once(self) -> None:
         with self._lock:
@@ -162,8 +182,21 @@ class OpWork(Work):
         t = effective_timeout(timeout, self._info.timeout)
         if self._error is not None:
             raise self._error
+        with self._lock:
+            watch, self._watched = not self._watched, True
+        if watch:
+            # Wait on an event that the backend's completion *or* an abort sets. Some
+            # gloo works (send/recv, barrier) have no future: those wait in the backend.
+            try:
+                self._inner.get_future().add_done_callback(lambda _f: self._done.set())
+            except RuntimeError:
+                self._done.set()
+        if not self._done.wait(t.total_seconds()):
+            raise self._fail(TimeoutError(f"no completion within {t.total_seconds():g}s"), t)
+        if self._error is not None:
+            raise self._error
         try:
-            self._inner.wait(t)
+            self._inner.wait(t)  # completed: returns at once, or raises the backend's error
         except Exception as e:  # noqa: BLE001 - every backend failure becomes a ProcessGroupError
             raise self._fail(e, t) from e
         self._finish_once()

@@ -12,7 +12,9 @@ copied) and serves exactly that step until ``disallow_checkpoint``. Routes::
 Bodies are written by our own ASGI response straight from memoryviews of the tensors, so
 neither FastAPI nor a thread pool copies them (uvicorn's h11 framing copies each 1 MiB
 piece once into the socket buffer). Another step gets 409 naming the served one; nothing
-served gets 404; a wrong or missing bearer token gets 401 before anything else.
+served gets 404 (a receiver asks again: the sender may not have published yet), and a
+step that was served and withdrawn gets 410 (it will not come back); a wrong or missing
+bearer token gets 401 before anything else.
 
 Receiver: httpx. It reads the header, allocates the destination tensors (wire.Sink: fresh
 ones, or the caller's own with ``into=``), splits the data into ``num_chunks`` or more
@@ -161,6 +163,12 @@ class HTTPTransport(CheckpointTransport[Any]):
         token: bearer token required to fetch, and sent when fetching.
         max_chunk_bytes: upper bound of one range, so a retry re-fetches little.
         retries: extra attempts per failed range (against the same source).
+        publish_wait: how long a receiver keeps asking a source that serves nothing yet
+            (404) before giving up; capped by the call's timeout. A withdrawn step (410)
+            or another step (409) fails at once.
+            Sender and receiver learn of a heal at the same moment, and the sender
+            publishes only when its training thread reaches a safe point, so a receiver
+            may arrive first. ``timedelta(0)``: refuse at the first 404.
     """
 
     def __init__(
@@ -175,8 +183,10 @@ class HTTPTransport(CheckpointTransport[Any]):
         retries: int = 2,
         block: int = wire.DEFAULT_BLOCK,
         max_header_bytes: int = wire.DEFAULT_MAX_HEADER_BYTES,
+        publish_wait: timedelta | None = None,
     ) -> None:
         self._timeout = timeout
+        self._publish_wait = None if publish_wait is None else publish_wait.total_seconds()
         self._num_chunks = max(1, int(num_chunks))
         self._token = token
         self._max_chunk = max_chunk_bytes
@@ -184,6 +194,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._block = block
         self._max_header = max_header_bytes
         self._served: _Served | None = None
+        self._withdrawn: int | None = None  # the step last withdrawn (answered 410, not 404)
         self._ssl_ctx: ssl.SSLContext | None = None
         self._lock = threading.Lock()
         host, _, port = bind.rpartition(":")
@@ -229,6 +240,8 @@ class HTTPTransport(CheckpointTransport[Any]):
             logger.exception("checkpoint HTTP server on %s crashed", self._url)
         finally:
             self._loop.close()
+            with contextlib.suppress(OSError):
+                self._sock.close()
 
     def _authorized(self, request: Request) -> bool:
         if self._token is None:
@@ -244,6 +257,12 @@ class HTTPTransport(CheckpointTransport[Any]):
                 headers={"www-authenticate": "Bearer"},
             )
         served = self._served
+        if served is None and self._withdrawn is not None and step <= self._withdrawn:
+            return PlainTextResponse(
+                f"the checkpoint of step {self._withdrawn} was withdrawn (the sender's step ended); "
+                "heal again in the next quorum",
+                status_code=410,
+            )
         if served is None:
             return PlainTextResponse(
                 f"no checkpoint is being served (asked for step {step}); this replica is not sending now",
@@ -326,6 +345,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         then abort those still running, so the state dict may be mutated afterwards."""
         with self._lock:
             served, self._served = self._served, None
+            if served is not None:
+                self._withdrawn = served.step
         if served is None:
             return
         wait_s = served.timeout
@@ -354,8 +375,11 @@ class HTTPTransport(CheckpointTransport[Any]):
             if self._thread.is_alive():
                 self._server.force_exit = True
                 self._thread.join(5.0)
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        if not self._thread.is_alive():
+            # Otherwise the server thread closes it when it ends: closing the socket
+            # under a running uvicorn makes its own shutdown fail.
+            with contextlib.suppress(OSError):
+                self._sock.close()
 
     # ------------------------------------------------------------------ receiving side
 
@@ -384,7 +408,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         verify: ssl.SSLContext | bool = self._ssl() if base.startswith("https://") else False
         with httpx.Client(headers=headers, limits=limits, timeout=_timeout(deadline), verify=verify) as client:
             try:
-                raw = self._get_header(client, f"{base}/checkpoint/{step}/header", deadline, where)
+                raw = self._await_header(client, f"{base}/checkpoint/{step}/header", deadline, where)
                 header = wire.read_header(io.BytesIO(raw).readinto, self._max_header)
             except httpx.TimeoutException as exc:
                 raise TransferTimeout(f"{where}: no header within the timeout ({exc})") from exc
@@ -404,6 +428,22 @@ class HTTPTransport(CheckpointTransport[Any]):
             return sink.finish()
         except wire.WireError as exc:  # pragma: no cover - every range was verified
             raise TransferError(f"{where}: {exc}") from exc
+
+    def _await_header(self, client: httpx.Client, url: str, deadline: float, where: str) -> bytes:
+        """The header, asking again while the source has not published this step yet."""
+        give_up = deadline if self._publish_wait is None else min(deadline, time.monotonic() + self._publish_wait)
+        pause = 0.005
+        while True:
+            try:
+                return self._get_header(client, url, deadline, where)
+            except SourceRefused as exc:
+                if exc.status != 404 or time.monotonic() + pause >= give_up:
+                    if exc.status == 404 and self._publish_wait != 0:
+                        raise TransferTimeout(f"{exc} (still, after waiting for it to be published)") from exc
+                    raise
+                logger.debug("%s: not published yet (HTTP %d); asking again", where, exc.status)
+            time.sleep(pause)  # the source is remote: there is no event to wait on
+            pause = min(pause * 2, 0.1)
 
     def _get_header(self, client: httpx.Client, url: str, deadline: float, where: str) -> bytes:
         """The header bytes, refusing to buffer more than the header size limit."""

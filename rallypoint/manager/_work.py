@@ -1,0 +1,66 @@
+"""The works ``Manager.allreduce`` returns: they finish the mean on ``wait`` and route a
+failure to the manager (which records it and aborts the process group) instead of raising
+it in the middle of a step."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+from rallypoint.process_groups.work import CompletedWork
+
+
+class _FailureSink(Protocol):
+    _timeout: timedelta
+
+    def _comm_failed(self, e: Exception) -> None: ...
+
+
+class DoneWork(CompletedWork):
+    """A completed no-op work whose future holds ``result`` (what allreduce returns once
+    the step has failed: the tensor, untouched)."""
+
+
+class ManagedWork(DoneWork):
+    """Wraps a process-group work: on ``wait`` finishes the mean, and routes a failure
+    to the manager instead of raising it."""
+
+    def __init__(self, manager: _FailureSink, inner: Any, tensor: torch.Tensor, divisor: int | None) -> None:
+        super().__init__(tensor)
+        self._manager = manager
+        self._inner = inner
+        self._tensor = tensor
+        self._divisor = divisor
+        self._done = False
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        with self._lock:
+            if self._done:
+                return True
+            try:
+                ok = self._inner.wait(timeout if timeout is not None else self._manager._timeout)
+                if ok is False:
+                    raise TimeoutError("allreduce did not complete in time")
+                if self._divisor:
+                    if self._tensor.is_floating_point() or self._tensor.is_complex():
+                        self._tensor.div_(self._divisor)
+                    else:
+                        self._tensor.div_(self._divisor, rounding_mode="trunc")
+            except Exception as e:  # noqa: BLE001 - recorded, the step will not commit
+                self._manager._comm_failed(e)
+            self._done = True
+            return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        return super().get_future()
+
+
+__all__ = ["DoneWork", "ManagedWork"]

@@ -1,0 +1,215 @@
+"""A replica group (one rank) for the multi-process ``Manager`` tests, and the test-side
+helper that starts, watches and kills them.
+
+The worker trains a tiny ``nn.Linear`` on its own synthetic data, averaging gradients
+with ``Manager.allreduce`` and committing with ``should_commit``. After every step it
+writes its progress (step, participants, parameter hash, history) to a JSON file, and
+it stops once its step reaches the target written to the stop file (or after its own
+wall-clock limit). Options (a JSON object on the command line):
+
+- ``fault``: ``{"at": POINT, "step": N}`` — SIGKILL itself at POINT of the first
+  step it reaches at or after step N: ``before_quorum``, ``mid_allreduce`` (after the first gradient's
+  allreduce was posted, while peers are in the collective), ``after_vote`` (should_commit
+  said yes, the optimizer has not stepped), ``serving`` (while reading its state to send
+  it to a healing peer; any step) or ``receiving`` (a healed state arrived and was not
+  applied yet; any step).
+- ``mode``: ``"fixed"`` for ``WorldSizeMode.FIXED_WITH_SPARES``; ``min_replica_size``.
+- ``transport``: ``"pg"`` heals over the cross-replica process group (``PGTransport``).
+- ``delay``: seconds between steps; ``async``: async quorum (default true).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve()
+LIMIT_S = 60.0  # a worker's own wall-clock limit
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dict[str, Any]) -> int:
+    import logging
+    from datetime import timedelta
+
+    import torch
+    from torch import nn
+
+    from rallypoint.manager import Manager, WorldSizeMode
+    from rallypoint.process_groups import ProcessGroupGloo
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    fault = opts.get("fault") or {}
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def save() -> dict[str, Any]:
+        if fault.get("at") == "serving":
+            _die()
+        return {"model": model.state_dict(), "opt": opt.state_dict()}
+
+    def load(sd: dict[str, Any]) -> None:
+        if fault.get("at") == "receiving":
+            _die()
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["opt"])
+
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        os.environ.pop(k, None)
+    timeout = timedelta(seconds=float(opts.get("timeout", 10)))
+    pg = ProcessGroupGloo(timeout=timeout)
+    transport = None
+    if opts.get("transport") == "pg":
+        from rallypoint.transports.pg import PGTransport
+
+        transport = PGTransport(pg, timeout=timeout)
+    m = Manager(
+        pg=pg, load_state_dict=load, state_dict=save, min_replica_size=int(opts.get("min_replica_size", 1)),
+        rank=0, world_size=1, store_addr="127.0.0.1", lighthouse_addr=lighthouse, replica_id=name,
+        hostname="127.0.0.1", timeout=timeout, quorum_timeout=timedelta(seconds=float(opts.get("quorum_timeout", 2 * timeout.total_seconds()))),
+        connect_timeout=timedelta(seconds=10), use_async_quorum=bool(opts.get("async", True)),
+        world_size_mode=WorldSizeMode.FIXED_WITH_SPARES if opts.get("mode") == "fixed" else WorldSizeMode.DYNAMIC,
+        checkpoint_transport=transport,
+    )
+    gen = torch.Generator().manual_seed(1000 + seed)
+    history: list[list[int]] = []
+    t0 = time.monotonic()
+    rc = 0
+    delay = float(opts.get("delay", 0.05))
+
+    def at(point: str) -> bool:
+        return fault.get("at") == point and m.current_step() >= int(fault.get("step", 1 << 62))
+
+    try:
+        while True:
+            if os.path.exists(stop):
+                target = int(Path(stop).read_text() or "1000000")
+                if m.current_step() >= target:
+                    break
+            if time.monotonic() - t0 > LIMIT_S:
+                rc = 3
+                break
+            if at("before_quorum"):
+                _die()
+            m.start_quorum()
+            x = torch.randn(8, 4, generator=gen)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            works = []
+            for p in model.parameters():
+                works.append(m.allreduce(p.grad))
+                if at("mid_allreduce"):
+                    _die()
+            for w in works:
+                w.wait()
+            participants = m.num_participants()
+            spare = not m.is_participating()
+            if m.should_commit():
+                if at("after_vote"):
+                    _die()
+                opt.step()
+            history.append([m.current_step(), participants, int(spare)])
+            h = hashlib.sha256(repr([p.detach().flatten().tolist() for p in model.parameters()]).encode()).hexdigest()
+            tmp = out + ".tmp"
+            Path(tmp).write_text(json.dumps({
+                "step": m.current_step(), "batches": m.batches_committed(), "hash": h,
+                "history": history, "replica_id": m.replica_id,
+            }))
+            os.replace(tmp, out)
+            time.sleep(delay)  # paces the replicas so they overlap; not a wait for an event
+    finally:
+        m.shutdown(wait=False)
+        pg.shutdown()
+    return rc
+
+
+class Replicas:
+    """Starts worker processes, reads their progress, kills them all at teardown."""
+
+    def __init__(self, tmp: Path, lighthouse: str) -> None:
+        self.tmp = tmp
+        self.lighthouse = lighthouse
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.stop = tmp / "stop"
+
+    def start(self, name: str, seed: int, **opts: Any) -> subprocess.Popen:
+        out = self.tmp / f"{name}.json"
+        out.unlink(missing_ok=True)
+        log = open(self.tmp / f"{name}.{len(self.procs)}.log", "w")
+        p = subprocess.Popen(
+            [sys.executable, str(HERE), self.lighthouse, name, str(seed), str(out), str(self.stop), json.dumps(opts)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.procs[f"{name}#{p.pid}"] = p
+        return p
+
+    def progress(self, name: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.tmp / f"{name}.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def wait_for(self, what: str, cond: Callable[[], bool], timeout: float) -> float:
+        """Poll ``cond`` (progress files have no event to await); seconds it took."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return time.monotonic() - t0
+            time.sleep(0.02)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; logs:\n{self.logs()}")
+
+    def wait_dead(self, p: subprocess.Popen, timeout: float) -> int:
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"pid {p.pid} still running after {timeout}s; logs:\n{self.logs()}") from None
+
+    def step(self, name: str) -> int:
+        p = self.progress(name)
+        return p["step"] if p else -1
+
+    def finish(self, target: int, timeout: float = 30.0) -> None:
+        self.stop.write_text(str(target))
+        deadline = time.monotonic() + timeout
+        for key, p in self.procs.items():
+            if p.poll() is None:
+                try:
+                    rc = p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{key} did not stop; logs:\n{self.logs()}") from None
+                assert rc == 0, f"{key} exited {rc}; logs:\n{self.logs()}"
+
+    def logs(self) -> str:
+        return "\n".join(f"==== {f.name}\n{f.read_text()[-4000:]}" for f in sorted(self.tmp.glob("*.log")))
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(5)
+
+    def assert_identical(self, names: list[str], target: int) -> None:
+        prog = [self.progress(n) for n in names]
+        assert all(p is not None for p in prog), self.logs()
+        assert [p["step"] for p in prog] == [target] * len(names), (prog, self.logs())
+        assert len({p["hash"] for p in prog}) == 1, ([p["hash"] for p in prog], self.logs())
+        assert len({p["batches"] for p in prog}) == 1, prog
+
+
+if __name__ == "__main__":
+    lh_addr, name_, seed_s, out_s, stop_s, opts_s = sys.argv[1:7]
+    sys.exit(worker(lh_addr, name_, int(seed_s), out_s, stop_s, json.loads(opts_s)))

@@ -1,0 +1,194 @@
+"""Failures at every point of a step, spares, healing over the process group, quorum
+timeouts and the peer-down relay: real lighthouse, replica groups as processes
+(``tests/replica_worker.py``) or threads, gloo on 127.0.0.1.
+
+What a user checks: survivors keep committing soon after a peer dies (well inside the
+collective timeout, with a heartbeat timeout far longer than that), the dead replica
+comes back by healing from a peer, and at the end every replica holds the same
+parameters at the same step.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from replica_worker import Replicas
+
+#: The heartbeat timeout: far longer than any bound below, so only the liveness stream
+#: and aborts can explain a quick recovery.
+HEARTBEAT_MS = 30_000
+#: The workers' collective timeout (seconds); a survivor stuck in a collective would
+#: stall at least this long.
+COLLECTIVE_S = 10
+#: How long survivors may take to commit again without the dead replica.
+RECOVER_S = 6.0
+
+
+def survivors_commit_without(r: Replicas, names: list[str], after: dict[str, int], members: int) -> bool:
+    """Every survivor committed a step past ``after`` in a quorum of ``members``."""
+    for n in names:
+        prog = r.progress(n)
+        if prog is None or not any(s > after[n] and p == members for s, p, _ in prog["history"]):
+            return False
+    return True
+
+
+def run_kill_and_rejoin(lighthouse: Any, replicas_factory: Any, fault: dict[str, Any], n: int = 3,
+                        **opts: Any) -> None:
+    lh = lighthouse(min_replicas=1, join_timeout_ms=300, heartbeat_timeout_ms=HEARTBEAT_MS)
+    r = replicas_factory(lh)
+    names = [f"replica_{i}" for i in range(n)]
+    victim = names[-1]
+    procs = {name: r.start(name, seed=i + 1, delay=0.05, timeout=COLLECTIVE_S, **({"fault": fault} if name == victim else {}), **opts)
+             for i, name in enumerate(names)}
+    rc = r.wait_dead(procs[victim], 40)
+    assert rc == -9, f"{victim} exited {rc} instead of dying at {fault}; logs:\n{r.logs()}"
+    survivors = names[:-1]
+    after = {s: r.step(s) for s in survivors}
+    took = r.wait_for(f"survivors committing without {victim}",
+                      lambda: survivors_commit_without(r, survivors, after, n - 1), 20)
+    assert took < RECOVER_S, f"survivors took {took:.1f}s to commit again (collective timeout {COLLECTIVE_S}s)"
+    r.start(victim, seed=99, delay=0.05, timeout=COLLECTIVE_S, **opts)
+    r.wait_for(f"{victim} healed and committing", lambda: r.step(victim) > max(after.values()), 30)
+    target = max(r.step(x) for x in names) + 3
+    r.finish(target, timeout=30)
+    r.assert_identical(names, target)
+
+
+@pytest.mark.parametrize("point", ["before_quorum", "mid_allreduce", "after_vote"])
+def test_replica_dies_at_a_point_of_the_step(lighthouse, replicas_factory, point: str) -> None:
+    """Three replicas (a ring allreduce); the last dies at ``point`` of step 3."""
+    run_kill_and_rejoin(lighthouse, replicas_factory, {"at": point, "step": 3})
+
+
+def test_healing_replica_dies_after_receiving(lighthouse, replicas_factory) -> None:
+    """A late replica dies after the state arrived, before applying it; it comes back
+    and heals again."""
+    lh = lighthouse(min_replicas=1, join_timeout_ms=300, heartbeat_timeout_ms=HEARTBEAT_MS)
+    r = replicas_factory(lh)
+    r.start("replica_0", seed=1, delay=0.05, timeout=COLLECTIVE_S)
+    r.wait_for("replica_0 at step 3", lambda: r.step("replica_0") >= 3, 30)
+    late = r.start("replica_1", seed=2, delay=0.05, timeout=COLLECTIVE_S, fault={"at": "receiving"})
+    assert r.wait_dead(late, 30) == -9, r.logs()
+    before = r.step("replica_0")
+    r.wait_for("replica_0 still committing", lambda: r.step("replica_0") > before + 1, 15)
+    r.start("replica_1", seed=3, delay=0.05, timeout=COLLECTIVE_S)
+    r.wait_for("replica_1 healed", lambda: r.step("replica_1") >= 4, 30)
+    target = max(r.step("replica_0"), r.step("replica_1")) + 3
+    r.finish(target, timeout=30)
+    r.assert_identical(["replica_0", "replica_1"], target)
+
+
+def test_sender_dies_while_serving_a_heal(lighthouse, replicas_factory) -> None:
+    """replica_0 is the first up-to-date member, so it serves the joiner, and dies
+    while reading its state; the joiner heals from replica_1 instead."""
+    lh = lighthouse(min_replicas=1, join_timeout_ms=300, heartbeat_timeout_ms=HEARTBEAT_MS)
+    r = replicas_factory(lh)
+    sender = r.start("replica_0", seed=1, delay=0.05, timeout=COLLECTIVE_S, fault={"at": "serving"})
+    r.start("replica_1", seed=2, delay=0.05, timeout=COLLECTIVE_S)
+    r.wait_for("two replicas at step 3", lambda: min(r.step("replica_0"), r.step("replica_1")) >= 3, 30)
+    r.start("replica_2", seed=3, delay=0.05, timeout=COLLECTIVE_S)
+    assert r.wait_dead(sender, 30) == -9, r.logs()
+    r.wait_for("replica_2 healed from replica_1", lambda: r.step("replica_2") >= r.step("replica_0") + 1, 30)
+    r.start("replica_0", seed=4, delay=0.05, timeout=COLLECTIVE_S)
+    r.wait_for("replica_0 back", lambda: r.step("replica_0") > 4 and r.progress("replica_0")["history"][0][0] > 1, 30)
+    names = ["replica_0", "replica_1", "replica_2"]
+    target = max(r.step(x) for x in names) + 3
+    r.finish(target, timeout=30)
+    r.assert_identical(names, target)
+
+
+def test_heal_over_the_process_group(lighthouse, replicas_factory) -> None:
+    """``PGTransport`` on the cross-replica gloo group: a late replica (different initial
+    weights) and a killed-and-restarted one both heal from a peer."""
+    run_kill_and_rejoin(lighthouse, replicas_factory, {"at": "mid_allreduce", "step": 3}, n=2, transport="pg")
+
+
+def test_fixed_with_spares(lighthouse, replicas_factory) -> None:
+    """FIXED_WITH_SPARES with min_replica_size=2 and three replicas: exactly two
+    contribute to every step, the third is a spare that stays identical."""
+    # The lighthouse waits for all three, so every step has a spare.
+    lh = lighthouse(min_replicas=3, join_timeout_ms=2000, heartbeat_timeout_ms=HEARTBEAT_MS)
+    r = replicas_factory(lh)
+    names = ["replica_0", "replica_1", "replica_2"]
+    r.stop.write_text("6")
+    for i, n in enumerate(names):
+        r.start(n, seed=i + 1, mode="fixed", min_replica_size=2)
+    r.finish(6, timeout=45)
+    r.assert_identical(names, 6)
+    rows = [row for n in names for row in r.progress(n)["history"]]
+    assert all(p == 2 for _, p, _ in rows), rows  # never more than two contribute
+    spare_rows = r.progress("replica_2")["history"]
+    assert all(row[2] for row in spare_rows), spare_rows  # the last-ranked replica is the spare
+    assert not any(row[2] for row in r.progress("replica_0")["history"])  # the primary
+    # replica_1 contributes zeros only while it heals at step 0 (init_sync), then always counts
+    assert not any(row[2] for row in r.progress("replica_1")["history"][1:]), r.progress("replica_1")["history"]
+    assert r.progress("replica_0")["batches"] == 12  # two batches per committed step
+
+
+def test_quorum_timeout_raises_a_clear_error(lighthouse) -> None:
+    """min_replicas=2 and one replica: no quorum. The async path raises from
+    should_commit, the sync path from start_quorum; the message names the replica and
+    the lighthouse."""
+    import torch
+
+    from rallypoint.manager import Manager
+    from rallypoint.process_groups import ProcessGroupGloo
+
+    lh = lighthouse(min_replicas=2)
+    for use_async in (True, False):
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+        m = Manager(pg, lambda sd: None, dict, min_replica_size=1, rank=0, world_size=1, hostname="127.0.0.1",
+                    store_addr="127.0.0.1", lighthouse_addr=lh.address(), replica_id="lonely",
+                    timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=1),
+                    connect_timeout=timedelta(seconds=5), use_async_quorum=use_async)
+        try:
+            if use_async:
+                m.start_quorum()
+                t = torch.ones(2)
+                m.allreduce(t).wait()  # never raises mid-step
+                with pytest.raises(TimeoutError, match=r"replica lonely:.*no quorum formed.*" + lh.address()):
+                    m.should_commit()
+            else:
+                with pytest.raises(TimeoutError, match=r"replica lonely:.*no quorum formed"):
+                    m.start_quorum()
+            assert m.current_step() == 0
+        finally:
+            m.shutdown()
+            pg.shutdown()
+
+
+def test_peer_down_relay_reaches_every_group_rank() -> None:
+    """Rank 0 publishes, ranks 1 and 2 hear it on their relay threads; close wakes a
+    listener at once and a notice published before a listener started is not replayed."""
+    from torch.distributed import TCPStore
+
+    from rallypoint.manager._peer_relay import PeerDownRelay
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    heard: dict[int, list[tuple[str, str]]] = {1: [], 2: []}
+    got = {1: threading.Event(), 2: threading.Event()}
+
+    def on(rank: int):
+        def cb(rid: str, reason: str) -> None:
+            heard[rank].append((rid, reason))
+            got[rank].set()
+        return cb
+
+    r0 = PeerDownRelay("127.0.0.1", store.port, 0, on(0), timedelta(seconds=5))
+    r0.publish("old", "before anyone listened")
+    listeners = [PeerDownRelay("127.0.0.1", store.port, k, on(k), timedelta(seconds=5)) for k in (1, 2)]
+    for x in listeners:
+        x.start()
+    r0.publish("replica_b:1234", "stream broke")
+    for k in (1, 2):
+        assert got[k].wait(10), heard
+        assert heard[k] == [("replica_b:1234", "stream broke")]
+    for x in listeners:
+        x.close(timeout=5)
+        assert x._thread is not None and not x._thread.is_alive()
+    r0.close()
