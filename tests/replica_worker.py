@@ -16,6 +16,7 @@ wall-clock limit). Options (a JSON object on the command line):
 - ``mode``: ``"fixed"`` for ``WorldSizeMode.FIXED_WITH_SPARES``; ``min_replica_size``.
 - ``transport``: ``"pg"`` heals over the cross-replica process group (``PGTransport``).
 - ``delay``: seconds between steps; ``async``: async quorum (default true).
+- ``ranks``: ranks in the replica group (threads of the worker process; default 1).
 """
 
 from __future__ import annotations
@@ -39,7 +40,38 @@ def _die() -> None:
 
 
 def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dict[str, Any]) -> int:
+    """One replica group: ``opts["ranks"]`` ranks (threads of this process, each with its
+    own manager, process group and model copy, all on the same data); rank r > 0 writes
+    its progress to ``<name>-r<r>.json``."""
     import logging
+    import socket
+    import threading
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        os.environ.pop(k, None)
+    ranks = int(opts.get("ranks", 1))
+    if ranks == 1:
+        return run_rank(lighthouse, name, seed, out, stop, opts, 0, 1, None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rcs = [4] * ranks
+
+    def main(r: int) -> None:
+        path = out if r == 0 else out.replace(".json", f"-r{r}.json")
+        rcs[r] = run_rank(lighthouse, name, seed, path, stop, opts, r, ranks, port)
+
+    threads = [threading.Thread(target=main, args=(r,), name=f"rank-{r}") for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(LIMIT_S + 60)
+    return max(rcs)
+
+
+def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dict[str, Any],
+             rank: int, world_size: int, store_port: int | None) -> int:
     from datetime import timedelta
 
     import torch
@@ -48,7 +80,6 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
     from rallypoint.manager import Manager, WorldSizeMode
     from rallypoint.process_groups import ProcessGroupGloo
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     fault = opts.get("fault") or {}
     torch.manual_seed(seed)
     model = nn.Linear(4, 2)
@@ -65,8 +96,6 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["opt"])
 
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        os.environ.pop(k, None)
     timeout = timedelta(seconds=float(opts.get("timeout", 10)))
     pg = ProcessGroupGloo(timeout=timeout)
     transport = None
@@ -76,7 +105,8 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
         transport = PGTransport(pg, timeout=timeout)
     m = Manager(
         pg=pg, load_state_dict=load, state_dict=save, min_replica_size=int(opts.get("min_replica_size", 1)),
-        rank=0, world_size=1, store_addr="127.0.0.1", lighthouse_addr=lighthouse, replica_id=name,
+        rank=rank, world_size=world_size, store_addr="127.0.0.1", store_port=store_port,
+        lighthouse_addr=lighthouse, replica_id=name,
         hostname="127.0.0.1", timeout=timeout, quorum_timeout=timedelta(seconds=float(opts.get("quorum_timeout", 2 * timeout.total_seconds()))),
         connect_timeout=timedelta(seconds=10), use_async_quorum=bool(opts.get("async", True)),
         world_size_mode=WorldSizeMode.FIXED_WITH_SPARES if opts.get("mode") == "fixed" else WorldSizeMode.DYNAMIC,

@@ -10,6 +10,8 @@ parameters at the same step.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from datetime import timedelta
 from typing import Any
@@ -192,3 +194,28 @@ def test_peer_down_relay_reaches_every_group_rank() -> None:
         x.close(timeout=5)
         assert x._thread is not None and not x._thread.is_alive()
     r0.close()
+
+
+def test_two_ranks_per_group_kill_and_rejoin(lighthouse, replicas_factory) -> None:
+    """Two replica groups of two ranks each (threads of one process per group). Group b
+    is SIGKILLed: both ranks of group a commit again without it soon (rank 1 learns of
+    the death through rank 0's relay, or its own failed collective), then b restarts,
+    each of its ranks heals from the same rank of a, and all four ranks end identical."""
+    lh = lighthouse(min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=HEARTBEAT_MS)
+    r = replicas_factory(lh)
+    r.start("a", seed=1, delay=0.05, timeout=COLLECTIVE_S, ranks=2)
+    b = r.start("b", seed=2, delay=0.05, timeout=COLLECTIVE_S, ranks=2)
+    ranks = ["a", "a-r1", "b", "b-r1"]
+    r.wait_for("both groups at step 3 together",
+               lambda: min(r.step(n) for n in ranks) >= 3 and r.progress("a")["history"][-1][1] == 2, 40)
+    os.kill(b.pid, signal.SIGKILL)
+    r.wait_dead(b, 10)
+    after = {n: r.step(n) for n in ("a", "a-r1")}
+    took = r.wait_for("both ranks of a committing alone",
+                      lambda: survivors_commit_without(r, ["a", "a-r1"], after, 1), 20)
+    assert took < RECOVER_S, f"group a took {took:.1f}s to commit again"
+    r.start("b", seed=3, delay=0.05, timeout=COLLECTIVE_S, ranks=2)
+    r.wait_for("b healed", lambda: min(r.step("b"), r.step("b-r1")) > max(after.values()), 40)
+    target = max(r.step(n) for n in ranks) + 3
+    r.finish(target, timeout=40)
+    r.assert_identical(ranks, target)
