@@ -19,6 +19,16 @@ _LAZY: dict[str, str] = {
     "LivenessStream": "rallypoint.lighthouse.client:LivenessStream",
     "Manager": "rallypoint.manager.manager:Manager",
     "WorldSizeMode": "rallypoint.manager.manager:WorldSizeMode",
+    "DistributedDataParallel": "rallypoint.integrations.ddp:DistributedDataParallel",
+    "Optimizer": "rallypoint.integrations.optim:Optimizer",
+    "OptimizerWrapper": "rallypoint.integrations.optim:OptimizerWrapper",
+    "DistributedSampler": "rallypoint.integrations.data:DistributedSampler",
+    "ProcessGroupGloo": "rallypoint.process_groups:ProcessGroupGloo",
+    "ProcessGroupBabyGloo": "rallypoint.process_groups:ProcessGroupBabyGloo",
+    "ProcessGroupNCCL": "rallypoint.process_groups:ProcessGroupNCCL",
+    "ProcessGroupBabyNCCL": "rallypoint.process_groups:ProcessGroupBabyNCCL",
+    "HTTPTransport": "rallypoint.transports.http:HTTPTransport",
+    "PGTransport": "rallypoint.transports.pg:PGTransport",
 }
 
 __all__ = ["__version__", *_LAZY]

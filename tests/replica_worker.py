@@ -168,6 +168,9 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
 class Replicas:
     """Starts worker processes, reads their progress, kills them all at teardown."""
 
+    #: the worker script started by :meth:`start` (subclasses point it at their own)
+    script: Path = HERE
+
     def __init__(self, tmp: Path, lighthouse: str) -> None:
         self.tmp = tmp
         self.lighthouse = lighthouse
@@ -179,7 +182,7 @@ class Replicas:
         out.unlink(missing_ok=True)
         log = open(self.tmp / f"{name}.{len(self.procs)}.log", "w")
         p = subprocess.Popen(
-            [sys.executable, str(HERE), self.lighthouse, name, str(seed), str(out), str(self.stop), json.dumps(opts)],
+            [sys.executable, str(self.script), self.lighthouse, name, str(seed), str(out), str(self.stop), json.dumps(opts)],
             stdout=log, stderr=subprocess.STDOUT,
         )
         log.close()
