@@ -10,7 +10,6 @@ uses it to bound its own lighthouse call). gRPC errors become ``TimeoutError``,
 
 from __future__ import annotations
 
-import threading
 
 import logging
 from datetime import timedelta
@@ -84,15 +83,16 @@ class ManagerClient:
     connect_timeout)``). Thread-safe; ``close()`` releases the channel."""
 
     def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0, *, fail_fast: bool = False) -> None:
-        """``fail_fast``: give up at the first refused connection instead of retrying
-        until ``connect_timeout`` (for a peer that was alive a moment ago, such as a heal
-        source: if it refuses now, it died, and waiting would stall the whole quorum)."""
+        """``fail_fast``: do not wait for the connection; a call to a peer that refuses it
+        fails at once instead of after ``connect_timeout`` (for a peer that was alive a
+        moment ago, such as a heal source: if it refuses now, it died, and waiting would
+        stall the whole quorum)."""
         self.addr = addr
         self._connect_timeout = seconds(connect_timeout)
         self._channel = grpc.insecure_channel(grpc_target(addr))
-        if fail_fast:
-            self._connect_fail_fast()
-        else:
+        # Calls made without waiting for readiness fail at once (UNAVAILABLE) when the
+        # peer refuses the connection: fail_fast skips this wait and relies on that.
+        if not fail_fast:
             try:
                 grpc.channel_ready_future(self._channel).result(timeout=self._connect_timeout)
             except grpc.FutureTimeoutError:
@@ -121,27 +121,6 @@ class ManagerClient:
             request_serializer=pb.KillRequest.SerializeToString,
             response_deserializer=pb.KillResponse.FromString,
         )
-
-    def _connect_fail_fast(self) -> None:
-        settled = threading.Event()
-        state: list[grpc.ChannelConnectivity] = []
-
-        def watch(c: grpc.ChannelConnectivity) -> None:
-            if c in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE,
-                     grpc.ChannelConnectivity.SHUTDOWN):
-                state.append(c)
-                settled.set()
-
-        self._channel.subscribe(watch, try_to_connect=True)
-        try:
-            ok = settled.wait(self._connect_timeout)
-        finally:
-            self._channel.unsubscribe(watch)
-        if ok and state[0] == grpc.ChannelConnectivity.READY:
-            return
-        self._channel.close()
-        why = "refused the connection" if ok else f"did not answer within {self._connect_timeout:.1f}s"
-        raise ConnectionError(f"the manager server at {self.addr} {why}; that replica is probably down")
 
     def _quorum(
         self,

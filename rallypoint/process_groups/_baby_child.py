@@ -261,7 +261,10 @@ def child_main(conn: Connection, kind: str, cfg: dict[str, Any], timeout_s: floa
     never lingers.
     """
     logging.basicConfig(level=log_level, stream=sys.stderr, format=f"[baby {os.getpid()}] %(name)s %(levelname)s %(message)s")
-    timeout = timedelta(seconds=timeout_s)
+    # The parent enforces the group's timeout and kills this child when it passes; the
+    # child's own bounds are a little longer, so an op that times out is always handled
+    # by the parent (kill) rather than racing it with an error of its own.
+    timeout = timedelta(seconds=timeout_s + max(1.0, 0.25 * timeout_s))
     import torch.multiprocessing  # noqa: F401 - CUDA IPC unpickling
 
     if kind == "gloo":
