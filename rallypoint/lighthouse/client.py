@@ -115,7 +115,7 @@ class LighthouseClient:
         try:
             self._heartbeat(pb.LighthouseHeartbeatRequest(replica_id=replica_id), timeout=secs, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise _translate(e, f"heartbeat for replica {replica_id} at {self.addr}", secs) from None
+            raise translate_rpc_error(e, f"heartbeat for replica {replica_id} at {self.addr}", secs) from None
 
     def status(self, timeout: float = 5.0) -> dict:
         """The lighthouse's status document (rallypoint lighthouses only)."""
@@ -127,7 +127,7 @@ class LighthouseClient:
         try:
             return json.loads(call(rpb.StatusRequest(), timeout=timeout, metadata=self._metadata).json)
         except grpc.RpcError as e:
-            raise _translate(e, f"status of {self.addr}", timeout) from None
+            raise translate_rpc_error(e, f"status of {self.addr}", timeout) from None
 
     def kill(self, replica_id: str, reason: str = "killed via the lighthouse", timeout: float = 15.0) -> str:
         """Ask the lighthouse to forward Kill to ``replica_id``'s manager; returns its address.
@@ -142,7 +142,7 @@ class LighthouseClient:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise KeyError(e.details()) from None
-            raise _translate(e, f"kill of replica {replica_id} via {self.addr}", timeout) from None
+            raise translate_rpc_error(e, f"kill of replica {replica_id} via {self.addr}", timeout) from None
         return resp.address
 
     def close(self) -> None:
@@ -172,6 +172,7 @@ def translate_rpc_error(e: grpc.RpcError, what: str, timeout: float, timeout_hin
 
 
 def _translate(e: grpc.RpcError, what: str, timeout: float) -> Exception:
+    """For quorum calls only: their timeout means no quorum formed."""
     return translate_rpc_error(e, what, timeout, " (no quorum formed in time)")
 
 
