@@ -7,7 +7,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.rallypoint-installed
 PYTEST_ARGS ?=
 
-.PHONY: test demo proto bench install clean
+.PHONY: test demo demo-lighthouse proto bench install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,12 @@ install: $(STAMP)
 test: $(STAMP)
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
+# Three replica groups train with DDP; one is SIGKILLed mid-step, restarts, heals.
 demo: $(STAMP)
+	$(VPY) examples/demo_training.py
+
+# The lighthouse alone, with simulated replicas (crash detection and rejoin).
+demo-lighthouse: $(STAMP)
 	$(VPY) examples/demo_lighthouse.py
 
 proto: $(STAMP)

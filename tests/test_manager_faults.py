@@ -219,3 +219,52 @@ def test_two_ranks_per_group_kill_and_rejoin(lighthouse, replicas_factory) -> No
     target = max(r.step(n) for n in ranks) + 3
     r.finish(target, timeout=40)
     r.assert_identical(ranks, target)
+
+
+def test_groups_of_different_sizes_are_refused_clearly(lighthouse) -> None:
+    """A one-rank group and a two-rank group in one quorum cannot train together (group
+    rank 1 has no peer): every rank gets a ValueError naming both groups and sizes,
+    instead of hanging in configure until a misleading quorum timeout."""
+    import socket
+
+    import torch
+
+    from rallypoint.manager import Manager
+    from rallypoint.process_groups import ProcessGroupGloo
+
+    lh = lighthouse(min_replicas=2, join_timeout_ms=5000)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outcome: dict[str, Any] = {}
+
+    def run(name: str, rank: int, world: int, store_port: int | None) -> None:
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+        m = None
+        try:
+            m = Manager(pg, lambda sd: None, lambda: {"w": torch.zeros(1)}, min_replica_size=1, rank=rank,
+                        world_size=world, store_addr="127.0.0.1", store_port=store_port,
+                        lighthouse_addr=lh.address(), replica_id=name, hostname="127.0.0.1",
+                        timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=20),
+                        connect_timeout=timedelta(seconds=10))
+            m.start_quorum()
+            m.allreduce(torch.ones(2)).wait()
+            m.should_commit()
+            outcome[f"{name}/{rank}"] = "committed"
+        except Exception as e:  # noqa: BLE001 - the error is what the test checks
+            outcome[f"{name}/{rank}"] = e
+        finally:
+            if m is not None:
+                m.shutdown()
+            pg.shutdown()
+
+    threads = [threading.Thread(target=run, args=a, daemon=True)
+               for a in (("solo", 0, 1, None), ("pair", 0, 2, port), ("pair", 1, 2, port))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    assert not any(t.is_alive() for t in threads), outcome
+    for key, got in outcome.items():
+        assert isinstance(got, ValueError), (key, got)
+        assert "different sizes" in str(got) and "has 1 rank" in str(got) and "has 2 rank" in str(got), got

@@ -24,7 +24,8 @@ torchft) so the healing peer finds it at once; the state is withdrawn in
 
 A quorum that does not form within ``quorum_timeout`` is not a communication hiccup:
 :meth:`should_commit` and :meth:`wait_quorum` raise a ``TimeoutError`` that names the
-replica and the lighthouse.
+replica and the lighthouse. A quorum that cannot work as configured (replica groups of
+different sizes, a request the lighthouse rejects) raises a ``ValueError`` the same way.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class Manager:
         self._pending_state_dict: dict[str, Any] | None = None
         self._round = 0  # start_quorum calls so far
         self._quorum_round = -1  # the round _last_quorum was received in
-        self._quorum_error: TimeoutError | None = None
+        self._quorum_error: Exception | None = None  # raised by should_commit / wait_quorum
         self._aborted_quorum: int | None = None
         self._relay: PeerDownRelay | None = None
         self._lighthouse_addr: str | None = None
@@ -365,7 +366,10 @@ class Manager:
         except Exception as e:  # noqa: BLE001
             self._log.warning("quorum failed: %s", e)
             self._participating_rank, self._participating_world_size = None, 0
-            if isinstance(e, TimeoutError):
+            if isinstance(e, ValueError):
+                # A configuration error (e.g. groups of different sizes): retrying cannot fix it.
+                self._quorum_error = ValueError(f"replica {self._replica_id} (group rank {self._group_rank}): {e}")
+            elif isinstance(e, TimeoutError):
                 self._quorum_error = TimeoutError(
                     f"replica {self._replica_id} (group rank {self._group_rank}): no quorum formed for step "
                     f"{self._step} within {timeout.total_seconds():.1f}s (lighthouse {self._lighthouse_addr or 'via group rank 0'}; "

@@ -323,6 +323,16 @@ class ManagerServer:
                 if not rnd.requests and self._rounds.get(rnd.step) is rnd:
                     del self._rounds[rnd.step]
             raise
+        sizes = {m.replica_id: m.world_size for m in quorum.members if m.world_size}
+        if len(set(sizes.values())) > 1:
+            # Group rank g averages with group rank g of every other group: groups of
+            # different sizes would leave ranks without peers and hang in configure.
+            raise _Failure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replica groups of different sizes in quorum {quorum.quorum_id}: "
+                + ", ".join(f"{rid} has {n} rank(s)" for rid, n in sorted(sizes.items()))
+                + "; every replica group must have the same number of ranks",
+            )
         try:
             result = compute_quorum_result(quorum, self.replica_id, rank, req.init_sync)
         except ValueError as e:
