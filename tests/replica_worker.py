@@ -81,8 +81,13 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
     from rallypoint.process_groups import ProcessGroupGloo
 
     fault = opts.get("fault") or {}
-    torch.manual_seed(seed)
+    # Initial weights from a generator of our own: ranks run as threads of one process,
+    # and the global RNG would interleave their draws.
+    init = torch.Generator().manual_seed(seed)
     model = nn.Linear(4, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=init) * 0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def save() -> dict[str, Any]:

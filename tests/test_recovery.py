@@ -43,9 +43,10 @@ CASES = [
     # First step with init_sync: everyone but the primary (max set at group_rank % n) heals from it.
     pytest.param(q(0, 0, 0), "r0", 0, True, (False, None, [1, 2], 0, "s0:2"), id="init-sync-primary"),
     pytest.param(q(0, 0, 0), "r1", 0, True, (True, 0, [], 1, "s0:2"), id="init-sync-healer"),
-    # ... group rank 1 picks the next primary, so load spreads across the group's ranks.
-    pytest.param(q(0, 0, 0), "r0", 1, True, (True, 1, [], 0, "s1:2"), id="init-sync-rank1-heals"),
-    pytest.param(q(0, 0, 0), "r1", 1, True, (False, None, [0, 2], 1, "s1:2"), id="init-sync-rank1-primary"),
+    # ... group rank 1 starts from the same copy (torchft 0.2.0 would pick r1 here, so a
+    # group's ranks would start from different replicas); only its store differs.
+    pytest.param(q(0, 0, 0), "r0", 1, True, (False, None, [1, 2], 0, "s1:2"), id="init-sync-rank1-same-primary"),
+    pytest.param(q(0, 0, 0), "r1", 1, True, (True, 0, [], 1, "s1:2"), id="init-sync-rank1-heals-from-it"),
     # First step without init_sync: nobody heals.
     pytest.param(q(0, 0, 0), "r1", 0, False, (False, None, [], 1, "s0:2"), id="no-init-sync"),
     pytest.param(q(0, 0, 0), "r2", 2, False, (False, None, [], 2, "s2:2"), id="no-init-sync-store"),
@@ -155,3 +156,15 @@ def test_assignment_properties(quorum: Quorum, group_rank: int, init_sync: bool)
         assert len(sources) == 1
     if not init_sync:
         assert healers == {i for i in range(n) if results[i].max_replica_rank is None}
+
+
+@given(quorum=quorums(), ranks=st.integers(1, 6))
+def test_first_step_every_group_rank_starts_from_the_same_copy(quorum: Quorum, ranks: int) -> None:
+    """At step 0 with init_sync, all ranks of a replica group take the state of the same
+    replica, so a group never mixes two replicas' initial states."""
+    n = len(quorum.members)
+    if max(m.step for m in quorum.members) != 0:
+        return
+    for i in range(n):
+        srcs = {compute_quorum_result(quorum, f"r{i}", g, True).recover_src_replica_rank for g in range(ranks)}
+        assert len(srcs) == 1, srcs

@@ -5,17 +5,21 @@ one replica group where it stands: its replica rank, whether it must heal, from 
 which healing replicas it must serve, and which TCPStore to use. No I/O, no clock:
 the :class:`~rallypoint.manager.server.ManagerServer` is a thin shell around it.
 
-The rules (DESIGN.md, "The manager"), matching torchft 0.2.0's answers:
+The rules (DESIGN.md, "The manager"), matching torchft 0.2.0's answers except where noted:
 
 * members are ordered by ``replica_id``; ``replica_rank`` is the own index;
 * ``max_step`` is the highest step; the members at ``max_step`` are the "max" set
   (``max_replica_rank`` = own index in it or ``None``; ``max_world_size`` = its size);
-* the primary for group rank ``g`` is the max-set member at ``g % len(max set)``; its
-  store is this rank's ``store_address``;
+* the store of group rank ``g`` is that of the max-set member at ``g % len(max set)``;
 * a member heals when its step is behind ``max_step``, or when ``max_step == 0``,
-  ``init_sync`` is on and it is not the primary (so a fresh job starts from one copy);
+  ``init_sync`` is on and it is not the first member (so a fresh job starts from one
+  copy). **Differs from torchft 0.2.0**, which picks that first copy per group rank
+  (member ``g % n``): with groups of several ranks, group rank 0 of a replica would then
+  start from one replica's initial state and group rank 1 from another's, so the ranks
+  of one group would hold different models (a test found exactly that);
 * the members that do not heal serve the healing ones in order, round-robin, starting
-  at offset ``group_rank`` so that different group ranks load different sources.
+  at offset ``group_rank`` so that different group ranks load different sources (all
+  sources are identical: they committed the same steps).
 """
 
 from __future__ import annotations
@@ -67,9 +71,11 @@ def compute_quorum_result(quorum: Quorum, replica_id: str, group_rank: int, init
     max_step = max(m.step for m in members)
     at_max = [i for i, m in enumerate(members) if m.step == max_step]
     max_replica_rank = at_max.index(replica_rank) if replica_rank in at_max else None
-    primary = at_max[group_rank % len(at_max)]
+    store_owner = at_max[group_rank % len(at_max)]
 
     force = init_sync and max_step == 0
+    # The one copy a fresh job starts from: the same for every group rank.
+    primary = at_max[0]
     healers = [i for i, m in enumerate(members) if m.step != max_step or (force and i != primary)]
     healer_set = set(healers)
     sources = [i for i in range(len(members)) if i not in healer_set]
@@ -89,7 +95,7 @@ def compute_quorum_result(quorum: Quorum, replica_id: str, group_rank: int, init
         recover_src_manager_address=members[src].address if src is not None else "",
         recover_src_replica_rank=src,
         recover_dst_replica_ranks=list(dsts_of.get(replica_rank, [])),
-        store_address=members[primary].store_address,
+        store_address=members[store_owner].store_address,
         max_step=max_step,
         max_replica_rank=max_replica_rank,
         max_world_size=len(at_max),
