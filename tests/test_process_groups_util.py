@@ -229,6 +229,14 @@ def w_allreduce_then_abort(abort_after_s: float, key: str = "pg") -> dict[str, A
     return {"raised": raised, "wait_s": time.monotonic() - start, "errored": w_errored(key)}
 
 
+def w_join_threads(prefix: str, timeout_s: float) -> int:
+    """Join this worker's threads whose name starts with ``prefix``; how many are left."""
+    deadline = time.monotonic() + timeout_s
+    for t in [t for t in threading.enumerate() if t.name.startswith(prefix)]:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return len([t for t in threading.enumerate() if t.name.startswith(prefix)])
+
+
 def w_allreduce_loop(numel: int, max_iters: int, key: str = "pg") -> dict[str, Any]:
     """Allreduce in a loop until an op fails; report progress after the first op."""
     import torch
