@@ -11,8 +11,8 @@ wall-clock limit). Options (a JSON object on the command line):
   step it reaches at or after step N: ``before_quorum``, ``mid_allreduce`` (after the first gradient's
   allreduce was posted, while peers are in the collective), ``after_vote`` (should_commit
   said yes, the optimizer has not stepped), ``serving`` (while reading its state to send
-  it to a healing peer; any step) or ``receiving`` (a healed state arrived and was not
-  applied yet; any step).
+  it to a healing peer) or ``receiving`` (a healed state arrived and was not
+  applied yet), both from step N on (default 0).
 - ``mode``: ``"fixed"`` for ``WorldSizeMode.FIXED_WITH_SPARES``; ``min_replica_size``.
 - ``transport``: ``"pg"`` heals over the cross-replica process group (``PGTransport``).
 - ``delay``: seconds between steps; ``async``: async quorum (default true).
@@ -81,6 +81,11 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
     from rallypoint.process_groups import ProcessGroupGloo
 
     fault = opts.get("fault") or {}
+    m: Any = None  # the manager, once built
+
+    def at(point: str) -> bool:
+        """The fault is set for ``point`` and this replica has reached its step."""
+        return fault.get("at") == point and m is not None and m.current_step() >= int(fault.get("step", 0))
     # Initial weights from a generator of our own: ranks run as threads of one process,
     # and the global RNG would interleave their draws.
     init = torch.Generator().manual_seed(seed)
@@ -91,12 +96,12 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def save() -> dict[str, Any]:
-        if fault.get("at") == "serving":
+        if at("serving"):
             _die()
         return {"model": model.state_dict(), "opt": opt.state_dict()}
 
     def load(sd: dict[str, Any]) -> None:
-        if fault.get("at") == "receiving":
+        if at("receiving"):
             _die()
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["opt"])
@@ -123,8 +128,6 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
     rc = 0
     delay = float(opts.get("delay", 0.05))
 
-    def at(point: str) -> bool:
-        return fault.get("at") == point and m.current_step() >= int(fault.get("step", 1 << 62))
 
     try:
         while True:

@@ -90,7 +90,7 @@ def test_sender_dies_while_serving_a_heal(lighthouse, replicas_factory) -> None:
     while reading its state; the joiner heals from replica_1 instead."""
     lh = lighthouse(min_replicas=1, join_timeout_ms=300, heartbeat_timeout_ms=HEARTBEAT_MS)
     r = replicas_factory(lh)
-    sender = r.start("replica_0", seed=1, delay=0.05, timeout=COLLECTIVE_S, fault={"at": "serving"})
+    sender = r.start("replica_0", seed=1, delay=0.05, timeout=COLLECTIVE_S, fault={"at": "serving", "step": 3})
     r.start("replica_1", seed=2, delay=0.05, timeout=COLLECTIVE_S)
     r.wait_for("two replicas at step 3", lambda: min(r.step("replica_0"), r.step("replica_1")) >= 3, 30)
     r.start("replica_2", seed=3, delay=0.05, timeout=COLLECTIVE_S)
