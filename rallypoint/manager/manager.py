@@ -336,16 +336,12 @@ class Manager:
         except Exception as e:  # noqa: BLE001 - _async_quorum records its own errors
             self.report_error(e)
 
-    def _quorum_done(self) -> None:
-        """Training-thread side of the quorum: wait for it (bounded)."""
-        self._wait_future()
-
     def wait_quorum(self) -> None:
         """Wait for the quorum; serve or apply a heal (call it outside forward/backward).
         Raises ``TimeoutError`` when no quorum formed within ``quorum_timeout``."""
         if self._quorum_future is None:
             raise RuntimeError("wait_quorum() called before start_quorum()")
-        self._quorum_done()
+        self._wait_future()
         if self._healing:
             self._apply_pending_state_dict()
         if self._quorum_error is not None:
@@ -463,7 +459,7 @@ class Manager:
         communication failure: it is recorded and the step will not commit."""
         if self.errored() is not None:
             return DoneWork(tensor)
-        self._quorum_done()
+        self._wait_future()
         if self.errored() is not None:
             return DoneWork(tensor)
         avg = reduce_op == ReduceOp.AVG
@@ -504,7 +500,7 @@ class Manager:
         assert self._client is not None
         if self._quorum_future is None:
             raise RuntimeError("should_commit() called before start_quorum()")
-        self._quorum_done()
+        self._wait_future()
         if self._healing:
             self._apply_pending_state_dict()
         pg_err = self._pg.errored()

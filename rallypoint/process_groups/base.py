@@ -127,6 +127,11 @@ class ProcessGroup(_TorchProcessGroup):
 
     def abort(self) -> None:
         """Stop the group now: pending and future ops fail until the next configure."""
+        self._record_abort()
+        self._teardown()
+
+    def _record_abort(self) -> None:
+        """Record that the group was aborted (the error every later op fails with)."""
         cfg = self._config
         self._record_error(
             ProcessGroupAborted(
@@ -134,7 +139,6 @@ class ProcessGroup(_TorchProcessGroup):
                 op="abort", world_size=cfg.world_size if cfg else None, quorum_id=cfg.quorum_id if cfg else None,
             )
         )
-        self._teardown()
 
     def shutdown(self) -> None:
         """Release every resource (threads, children, sockets); the group is unusable after."""

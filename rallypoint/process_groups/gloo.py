@@ -204,13 +204,7 @@ class TorchBackendGroup(ProcessGroup):
     def abort(self) -> None:
         """Stop the group now; every pending ``wait()`` fails at once (the backend's
         stuck ops end by their own timeout, with the old backend)."""
-        cfg = self._config
-        self._record_error(
-            ProcessGroupAborted(
-                f"{type(self).__name__} was aborted (quorum {cfg.quorum_id if cfg else None}); reconfigure it",
-                op="abort", world_size=cfg.world_size if cfg else None, quorum_id=cfg.quorum_id if cfg else None,
-            )
-        )
+        self._record_abort()
         wake = self._connect_wake
         if wake is not None:
             wake.set()  # release a configure blocked in connect
