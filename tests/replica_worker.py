@@ -17,6 +17,8 @@ wall-clock limit). Options (a JSON object on the command line):
 - ``transport``: ``"pg"`` heals over the cross-replica process group (``PGTransport``).
 - ``delay``: seconds between steps; ``async``: async quorum (default true).
 - ``ranks``: ranks in the replica group (threads of the worker process; default 1).
+- ``training_thread``: ``heal_on_training_thread=True``; the progress file then lists the
+  threads the state callbacks ran on (``state_threads``) next to the training thread's.
 """
 
 from __future__ import annotations
@@ -95,12 +97,18 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
             p.copy_(torch.randn(p.shape, generator=init) * 0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
+    import threading
+
+    state_threads: set[str] = set()
+
     def save() -> dict[str, Any]:
+        state_threads.add(threading.current_thread().name)
         if at("serving"):
             _die()
         return {"model": model.state_dict(), "opt": opt.state_dict()}
 
     def load(sd: dict[str, Any]) -> None:
+        state_threads.add(threading.current_thread().name)
         if at("receiving"):
             _die()
         model.load_state_dict(sd["model"])
@@ -120,7 +128,7 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
         hostname="127.0.0.1", timeout=timeout, quorum_timeout=timedelta(seconds=float(opts.get("quorum_timeout", 2 * timeout.total_seconds()))),
         connect_timeout=timedelta(seconds=10), use_async_quorum=bool(opts.get("async", True)),
         world_size_mode=WorldSizeMode.FIXED_WITH_SPARES if opts.get("mode") == "fixed" else WorldSizeMode.DYNAMIC,
-        checkpoint_transport=transport,
+        checkpoint_transport=transport, heal_on_training_thread=bool(opts.get("training_thread", False)),
     )
     gen = torch.Generator().manual_seed(1000 + seed)
     history: list[list[int]] = []
@@ -164,6 +172,7 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
             Path(tmp).write_text(json.dumps({
                 "step": m.current_step(), "batches": m.batches_committed(), "hash": h,
                 "history": history, "replica_id": m.replica_id,
+                "state_threads": sorted(state_threads), "train_thread": threading.current_thread().name,
             }))
             os.replace(tmp, out)
             time.sleep(delay)  # paces the replicas so they overlap; not a wait for an event

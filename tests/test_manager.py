@@ -205,3 +205,57 @@ def test_step_commits_after_a_failed_attempt(lighthouse_factory) -> None:
     finally:
         m.shutdown()
         pg.shutdown()
+
+
+def test_quantized_allreduce_across_two_replica_groups(lighthouse_factory) -> None:
+    """``allreduce(t, should_quantize=True)``: both replicas end with bit-identical means
+    that differ from the exact mean by no more than the int8 rounding bound (and do
+    differ: the bytes really were quantized); ops other than SUM/AVG are refused; the
+    older ``allreduce(t, ReduceOp.SUM)`` order still works."""
+    import concurrent.futures as cf
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed import ReduceOp
+
+    from rallypoint.manager import Manager
+    from rallypoint.process_groups import ProcessGroupGloo
+
+    lh = lighthouse_factory(min_replicas=2, join_timeout_ms=5000)
+    inputs = [torch.randn(1000, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    pgs = [ProcessGroupGloo(timeout=timedelta(seconds=10)) for _ in range(2)]
+    ms: list[Any] = []
+
+    def make(i: int) -> Any:
+        return Manager(pgs[i], lambda sd: None, dict, min_replica_size=2, rank=0, world_size=1,
+                       hostname="127.0.0.1", store_addr="127.0.0.1", lighthouse_addr=lh.address(),
+                       replica_id=f"q{i}", timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=10),
+                       connect_timeout=timedelta(seconds=10), init_sync=False)
+
+    def step(i: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        m = ms[i]
+        m.start_quorum()
+        q = inputs[i].clone()
+        m.allreduce(q, should_quantize=True).wait()
+        s = torch.full((3,), float(i + 1))
+        m.allreduce(s, ReduceOp.SUM).wait()  # positional reduce_op: the pre-0.2-order call
+        with pytest.raises(ValueError, match="quantized allreduce supports SUM and AVG"):
+            m.allreduce(torch.ones(2), should_quantize=True, reduce_op=ReduceOp.MAX)
+        return q, s, m.should_commit()
+
+    try:
+        with cf.ThreadPoolExecutor(2) as ex:
+            ms.extend(ex.map(make, range(2)))
+            (q0, s0, ok0), (q1, s1, ok1) = ex.map(step, range(2), timeout=60)
+        assert ok0 and ok1
+        assert torch.equal(q0, q1)  # bit-identical on both replicas
+        exact = (inputs[0] + inputs[1]) / 2
+        err = (q0 - exact).abs().max().item()
+        bound = sum(x.abs().max().item() / 127 / 2 for x in inputs) / 2  # per-rank s/2, then the mean
+        assert 0 < err <= bound * 1.001, (err, bound)
+        assert s0.tolist() == s1.tolist() == [3.0, 3.0, 3.0]
+    finally:
+        for m in ms:
+            m.shutdown()
+        for pg in pgs:
+            pg.shutdown()

@@ -22,6 +22,14 @@ as its quorum arrives (its ``state_dict()`` callbacks run on the quorum thread, 
 torchft) so the healing peer finds it at once; the state is withdrawn in
 :meth:`should_commit`, before the optimizer may change it.
 
+``heal_on_training_thread=True`` (what FSDP2 needs: its state dict must not be read while
+forward reshards parameters, torchtitan#4754) moves both sides to the training thread: the
+quorum thread only forms the quorum. In :meth:`should_commit` (before the vote; in
+:meth:`start_quorum` when the quorum is synchronous) the sender reads and copies its state
+and serves the copy until its next step's ``should_commit``; the receiver fetches into its
+current state (DTensors are rebuilt on its own mesh) and applies it. The healing replica
+contributes zeros to that step, as with the default.
+
 A quorum that does not form within ``quorum_timeout`` is not a communication hiccup:
 :meth:`should_commit` and :meth:`wait_quorum` raise a ``TimeoutError`` that names the
 replica and the lighthouse. A quorum that cannot work as configured (replica groups of
@@ -32,7 +40,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import socket
 import threading
 import uuid
@@ -43,6 +50,8 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch.distributed import ReduceOp, TCPStore
 
+from rallypoint.manager._config import ReplicaLog as _ReplicaLog, env as _env, td as _td
+from rallypoint.manager._heal import Healer, materialise
 from rallypoint.manager._peer_relay import PeerDownRelay
 from rallypoint.manager._work import DoneWork, ManagedWork
 from rallypoint.manager.client import ManagerClient
@@ -62,31 +71,6 @@ class WorldSizeMode(Enum):
 
     DYNAMIC = 0
     FIXED_WITH_SPARES = 1
-
-
-def _td(value: Any, env: tuple[str, ...], default: timedelta) -> timedelta:
-    for name in env:
-        raw = os.environ.get(name)
-        if raw:
-            return timedelta(seconds=float(raw))
-    if value is None:
-        return default
-    return value if isinstance(value, timedelta) else timedelta(seconds=float(value))
-
-
-def _env(value: Any, *names: str) -> Any:
-    if value is not None:
-        return value
-    for name in names:
-        raw = os.environ.get(name)
-        if raw:
-            return raw
-    return None
-
-
-class _ReplicaLog(logging.LoggerAdapter):
-    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        return f"[{self.extra['replica_id']}/{self.extra['group_rank']}] {msg}", kwargs  # type: ignore[index]
 
 
 class Manager:
@@ -122,8 +106,14 @@ class Manager:
         init_sync: bool = True,
         max_retries: int | None = None,
         quorum_retries: int = 0,
+        heal_on_training_thread: bool = False,
     ) -> None:
         self._pg = pg
+        #: Serve and apply heals on the training thread (see the module docstring); the
+        #: FSDP helper turns it on. ``heal_mesh``: the mesh for received DTensors that the
+        #: current state lacks (e.g. optimizer state of a fresh replica).
+        self.heal_on_training_thread = bool(heal_on_training_thread)
+        self.heal_mesh: Any = None
         self._min_replica_size = int(min_replica_size)
         self._use_async_quorum = use_async_quorum
         self._timeout = _td(timeout, ("RALLYPOINT_TIMEOUT_SEC", "TORCHFT_TIMEOUT_SEC"), timedelta(seconds=60))
@@ -155,6 +145,8 @@ class Manager:
         self._err_lock = threading.Lock()
         self._healing = False
         self._pending_state_dict: dict[str, Any] | None = None
+        self._heal_plan: QuorumResult | None = None  # a heal to serve/fetch on the training thread
+        self._served_round = -1  # the round the training thread last served a heal in
         self._round = 0  # start_quorum calls so far
         self._quorum_round = -1  # the round _last_quorum was received in
         self._quorum_error: Exception | None = None  # raised by should_commit / wait_quorum
@@ -176,6 +168,7 @@ class Manager:
 
             checkpoint_transport = HTTPTransport(timeout=self._timeout, bind="0.0.0.0:0", advertise_host=hostname)
         self._transport = checkpoint_transport
+        self._healer = Healer(checkpoint_transport, self._group_rank, self._timeout, self._connect_timeout, self._log)
 
         try:
             self._connect(store_addr, store_port, lighthouse_addr, replica_id, port, hostname, heartbeat_interval,
@@ -316,6 +309,7 @@ class Manager:
             self._errored = None
         self._healing = False
         self._pending_state_dict = None
+        self._heal_plan = None
         self._quorum_error = None
         self._round += 1
         self._quorum_future = self._executor.submit(
@@ -342,6 +336,7 @@ class Manager:
         if self._quorum_future is None:
             raise RuntimeError("wait_quorum() called before start_quorum()")
         self._wait_future()
+        self._heal_here()
         if self._healing:
             self._apply_pending_state_dict()
         if self._quorum_error is not None:
@@ -402,31 +397,39 @@ class Manager:
                 self.report_error(e)
                 return
 
-        if not allow_heal:
+        if not allow_heal or not (q.heal or q.recover_dst_replica_ranks):
+            return
+        if q.heal:
+            self._healing = True  # contributes zeros until the state is applied
+        if self.heal_on_training_thread:
+            self._heal_plan = q  # served / fetched by _heal_here on the training thread
             return
         try:
             if q.recover_dst_replica_ranks:
                 # Served now, so the healing peer finds it as soon as it asks; the state
                 # is not mutated before should_commit withdraws it (the optimizer steps
                 # after that). User state_dict callbacks therefore run on this thread.
-                self._log.info("serving step %d to replica ranks %s", q.max_step, q.recover_dst_replica_ranks)
-                self._transport.send_checkpoint(
-                    dst_ranks=list(q.recover_dst_replica_ranks), step=q.max_step,
-                    state_dict=self._manager_state_dict(), timeout=self._timeout,
-                )
+                self._healer.serve(q, self._manager_state_dict())
             if q.heal:
-                self._healing = True
-                src = q.recover_src_replica_rank
-                assert src is not None, "heal without a recovery source"
-                self._log.info("healing to step %d from replica rank %d (%s)", q.max_step, src,
-                               q.recover_src_manager_address)
-                with ManagerClient(q.recover_src_manager_address, connect_timeout=self._connect_timeout,
-                                   fail_fast=True) as peer:
-                    meta = peer._checkpoint_metadata(self._group_rank, timeout=self._timeout)
-                self._pending_state_dict = self._transport.recv_checkpoint(
-                    src_rank=src, metadata=meta, step=q.max_step, timeout=self._timeout
-                )
-                self._log.info("received the state of step %d; it is applied before the optimizer step", q.max_step)
+                self._pending_state_dict = self._healer.fetch(q)
+        except Exception as e:  # noqa: BLE001
+            self._log.warning("recovery failed: %s", e)
+            self.report_error(e)
+
+    def _heal_here(self) -> None:
+        """Serve and/or fetch this quorum's heal on the calling (training) thread; only
+        with ``heal_on_training_thread``. The sender serves a copy even when its step
+        failed (that state is still the step's state) so the healing peer is not left
+        waiting for a publication that never comes."""
+        q, self._heal_plan = self._heal_plan, None
+        if q is None:
+            return
+        try:
+            if q.recover_dst_replica_ranks:
+                self._healer.serve(q, materialise(self._manager_state_dict()))
+                self._served_round = self._round
+            if q.heal:
+                self._pending_state_dict = self._healer.fetch(q, into=self._manager_state_dict(), mesh=self.heal_mesh)
         except Exception as e:  # noqa: BLE001
             self._log.warning("recovery failed: %s", e)
             self.report_error(e)
@@ -453,10 +456,20 @@ class Manager:
             self.report_error(e)
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
+                  reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
         """Sum (``SUM``) or mean (``AVG``) over the participating replicas; returns a work
         with ``wait()``. A healing or spare replica contributes zeros. Never raises for a
-        communication failure: it is recorded and the step will not commit."""
+        communication failure: it is recorded and the step will not commit.
+
+        ``should_quantize``: exchange row-wise scaled int8 instead of the full tensor (about
+        a quarter of the bytes for fp32; SUM/AVG only; see
+        :mod:`rallypoint.process_groups.quantization` for the error it introduces). The
+        argument order is torchft's; a ``ReduceOp`` passed second is taken as ``reduce_op``."""
+        if not isinstance(should_quantize, bool):  # allreduce(t, ReduceOp.SUM): our old order
+            should_quantize, reduce_op = False, should_quantize
+        if should_quantize and reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
+            raise ValueError(f"replica {self._replica_id}: a quantized allreduce supports SUM and AVG, not {reduce_op}")
         if self.errored() is not None:
             return DoneWork(tensor)
         self._wait_future()
@@ -473,7 +486,12 @@ class Manager:
         if not self.is_participating():
             tensor.zero_()
         try:
-            work = self._pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
+            if should_quantize:
+                from rallypoint.process_groups.quantization import allreduce_quantized
+
+                work = allreduce_quantized(self._pg, [tensor], timeout=self._timeout)
+            else:
+                work = self._pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
         except Exception as e:  # noqa: BLE001
             self._comm_failed(e)
             return DoneWork(tensor)
@@ -501,6 +519,7 @@ class Manager:
         if self._quorum_future is None:
             raise RuntimeError("should_commit() called before start_quorum()")
         self._wait_future()
+        self._heal_here()
         if self._healing:
             self._apply_pending_state_dict()
         pg_err = self._pg.errored()
@@ -517,10 +536,13 @@ class Manager:
             "should_commit step %d: %s (local %s, participants %d/%d, error %s)",
             self._step, decision, local, self._participating_world_size, self._min_replica_size, self.errored(),
         )
-        try:
-            self._transport.disallow_checkpoint()
-        except Exception as e:  # noqa: BLE001
-            self._log.warning("disallow_checkpoint failed: %s", e)
+        if self._served_round != self._round:
+            # A copy served on the training thread in this step stays up until the next
+            # step: the healing peer may still be fetching it after our vote.
+            try:
+                self._transport.disallow_checkpoint()
+            except Exception as e:  # noqa: BLE001
+                self._log.warning("disallow_checkpoint failed: %s", e)
         if self._quorum_error is not None:
             self._commit_failures += 1
             raise self._quorum_error

@@ -11,8 +11,9 @@ copied) and serves exactly that step until ``disallow_checkpoint``. Routes::
 
 Bodies are written by our own ASGI response straight from memoryviews of the tensors, so
 neither FastAPI nor a thread pool copies them (uvicorn's h11 framing copies each 1 MiB
-piece once into the socket buffer). Another step gets 409 naming the served one; nothing
-served gets 404 (a receiver asks again: the sender may not have published yet), and a
+piece once into the socket buffer). An older step than the served one gets 409 naming
+it; nothing served, or only an older step, gets 404 (a receiver asks again: the sender
+may not have published yet), and a
 step that was served and withdrawn gets 410 (it will not come back); a wrong or missing
 bearer token gets 401 before anything else.
 
@@ -267,6 +268,13 @@ class HTTPTransport(CheckpointTransport[Any]):
         if served is None:
             return PlainTextResponse(
                 f"no checkpoint is being served (asked for step {step}); this replica is not sending now",
+                status_code=404,
+            )
+        if served.step < step:
+            # An older offer is still up (a copy served on the training thread stays until
+            # the sender's next step): step ``step`` may not be published yet.
+            return PlainTextResponse(
+                f"serving the checkpoint of step {served.step}; step {step} is not published yet",
                 status_code=404,
             )
         if served.step != step:
