@@ -7,6 +7,13 @@ own communication through the manager, so its failures become uncommitted steps.
   quorum, ``step()`` steps only on commit; ``register_scheduler`` heals LR schedules.
 - :class:`DistributedSampler` — disjoint shards per replica group and rank; its position
   is part of the healed state.
+- :func:`fully_shard_replicated` (:mod:`.fsdp`) — FSDP2 over a replica group's ranks, the
+  gradient shards averaged across groups by the manager (HSDP), heals read and loaded
+  on the training thread.
+- :class:`LocalSGD`, :class:`DiLoCo` (:mod:`.local_sgd`) — periodic parameter averaging
+  and (Streaming) DiLoCo: an outer optimizer on averaged pseudo-gradients, fragment by
+  fragment, the exchange overlapping inner steps; a failed sync restores the global
+  parameters from a backup.
 
 ``rallypoint.integrations`` may import ``manager``, ``process_groups`` and
 ``transports``; nothing below the public face imports it.
@@ -14,6 +21,18 @@ own communication through the manager, so its failures become uncommitted steps.
 
 from rallypoint.integrations.data import DistributedSampler
 from rallypoint.integrations.ddp import DistributedDataParallel
+from rallypoint.integrations.fsdp import ReplicatedFSDP, fully_shard_replicated, register_state
+from rallypoint.integrations.local_sgd import DiLoCo, LocalSGD
 from rallypoint.integrations.optim import Optimizer, OptimizerWrapper
 
-__all__ = ["DistributedDataParallel", "DistributedSampler", "Optimizer", "OptimizerWrapper"]
+__all__ = [
+    "DiLoCo",
+    "DistributedDataParallel",
+    "DistributedSampler",
+    "LocalSGD",
+    "Optimizer",
+    "OptimizerWrapper",
+    "ReplicatedFSDP",
+    "fully_shard_replicated",
+    "register_state",
+]

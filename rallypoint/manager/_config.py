@@ -1,12 +1,13 @@
 """Configuration helpers of the ``Manager``: arguments that fall back to the environment
 (torchft's variable names and ours), and the log adapter that puts the replica id and
-group rank in every line."""
+group rank in every line; the world size modes."""
 
 from __future__ import annotations
 
 import logging
 import os
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 
@@ -40,4 +41,12 @@ class ReplicaLog(logging.LoggerAdapter):
         return f"[{self.extra['replica_id']}/{self.extra['group_rank']}] {msg}", kwargs  # type: ignore[index]
 
 
-__all__ = ["ReplicaLog", "env", "td"]
+class WorldSizeMode(Enum):
+    """DYNAMIC: every up-to-date replica contributes. FIXED_WITH_SPARES: exactly
+    ``min_replica_size`` contribute; the others stay in sync and contribute zeros."""
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
+
+
+__all__ = ["ReplicaLog", "WorldSizeMode", "env", "td"]

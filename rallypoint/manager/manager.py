@@ -22,13 +22,11 @@ as its quorum arrives (its ``state_dict()`` callbacks run on the quorum thread, 
 torchft) so the healing peer finds it at once; the state is withdrawn in
 :meth:`should_commit`, before the optimizer may change it.
 
-``heal_on_training_thread=True`` (what FSDP2 needs: its state dict must not be read while
-forward reshards parameters, torchtitan#4754) moves both sides to the training thread: the
-quorum thread only forms the quorum. In :meth:`should_commit` (before the vote; in
-:meth:`start_quorum` when the quorum is synchronous) the sender reads and copies its state
-and serves the copy until its next step's ``should_commit``; the receiver fetches into its
-current state (DTensors are rebuilt on its own mesh) and applies it. The healing replica
-contributes zeros to that step, as with the default.
+``heal_on_training_thread=True`` (for FSDP2, whose state must not be read while forward
+reshards it: torchtitan#4754) moves both sides into :meth:`should_commit` (before the vote;
+:meth:`start_quorum` when the quorum is synchronous) on the training thread: the sender
+serves a copy of its state until its next ``should_commit``; the receiver fetches into its
+current state (DTensors rebuilt on its own mesh) and applies it.
 
 A quorum that does not form within ``quorum_timeout`` is not a communication hiccup:
 :meth:`should_commit` and :meth:`wait_quorum` raise a ``TimeoutError`` that names the
@@ -44,13 +42,12 @@ import socket
 import threading
 import uuid
 from datetime import timedelta
-from enum import Enum
 from typing import Any, Callable, TypeVar
 
 import torch
 from torch.distributed import ReduceOp, TCPStore
 
-from rallypoint.manager._config import ReplicaLog as _ReplicaLog, env as _env, td as _td
+from rallypoint.manager._config import ReplicaLog as _ReplicaLog, WorldSizeMode, env as _env, td as _td
 from rallypoint.manager._heal import Healer, materialise
 from rallypoint.manager._peer_relay import PeerDownRelay
 from rallypoint.manager._work import DoneWork, ManagedWork
@@ -63,14 +60,6 @@ MANAGER_ADDR_KEY = "manager_addr"
 REPLICA_ID_KEY = "replica_id"
 
 log = logging.getLogger("rallypoint.manager")
-
-
-class WorldSizeMode(Enum):
-    """DYNAMIC: every up-to-date replica contributes. FIXED_WITH_SPARES: exactly
-    ``min_replica_size`` contribute; the others stay in sync and contribute zeros."""
-
-    DYNAMIC = 0
-    FIXED_WITH_SPARES = 1
 
 
 class Manager:
@@ -584,6 +573,16 @@ class Manager:
     @property
     def replica_id(self) -> str:
         return self._replica_id
+
+    @property
+    def group_rank(self) -> int:
+        """This rank's index inside its replica group (torchrun's ``RANK``)."""
+        return self._group_rank
+
+    @property
+    def group_world_size(self) -> int:
+        """The number of ranks in each replica group (torchrun's ``WORLD_SIZE``)."""
+        return self._group_world_size
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the quorum thread, the transport, the client and (rank 0) the server."""

@@ -1,0 +1,308 @@
+"""Fault-tolerant DiLoCo / Streaming DiLoCo training on synthetic data: one replica group per launch.
+
+Each replica group trains on its own data shard with a local (inner) optimizer and only
+exchanges pseudo-gradients (global - local parameters) every ``--sync-every`` inner
+steps, fragment by fragment (Streaming DiLoCo) when ``--fragments > 1``; the exchange
+can overlap ``--fragment-sync-delay`` inner steps and be int8-quantized (``--quantize``).
+A group that dies and comes back heals from a live peer (global parameters and outer
+optimizer state) at the next sync::
+
+    rallypoint lighthouse --min-replicas 2 &
+    export RALLYPOINT_LIGHTHOUSE=http://localhost:29510 NUM_REPLICA_GROUPS=2
+    REPLICA_GROUP_ID=0 torchrun --nproc-per-node 1 --master-port 29600 examples/train_diloco.py --fragments 2 &
+    REPLICA_GROUP_ID=1 torchrun --nproc-per-node 1 --master-port 29601 examples/train_diloco.py --fragments 2 &
+
+Without torchrun, ``python examples/train_diloco.py`` runs rank 0 of a one-rank group on
+a free port. Environment as ``examples/train_ddp.py``: ``REPLICA_GROUP_ID`` (this
+group's index and data shard), ``NUM_REPLICA_GROUPS``, ``RALLYPOINT_LIGHTHOUSE`` (or
+``TORCHFT_LIGHTHOUSE``), torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``.
+Ranks of one group average their inner gradients every step with a plain torch group
+(group rank ``g`` exchanges pseudo-gradients with group rank ``g`` of the other groups).
+gloo on CPU; NCCL when CUDA is available.
+
+Only the public API is used: ``rallypoint.Manager`` (``use_async_quorum=False``: a heal
+must land before a pseudo-gradient is computed) and
+``rallypoint.integrations.local_sgd.DiLoCo`` (same constructor as torchft 0.2.0's).
+
+``--progress FILE`` appends one JSON line per committed sync (manager step, inner step,
+sha256 of the *global* parameters -- the state a healing replica would receive -- and of
+the model's current local parameters) and an ``exit`` line, so a test can check that
+every replica group agrees on the global parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+import rallypoint
+from rallypoint.integrations.local_sgd import DiLoCo
+
+log = logging.getLogger("train_diloco")
+
+FRAGMENT_KEY = "StreamingDiLoCoFragment_"  # the state_dict keys DiLoCo registers (torchft's names)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tensors_sha256(tensors: list[torch.Tensor]) -> str:
+    """sha256 of the tensors' bytes, in order (identical values, identical hash)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).tolist()))
+    return h.hexdigest()
+
+
+class Manager(rallypoint.Manager):
+    """The Manager, remembering the state functions registered with it.
+
+    DiLoCo registers each fragment's global parameters and outer optimizer state
+    (``StreamingDiLoCoFragment_<i>``): exactly what a healing replica receives. Keeping
+    the save functions lets this script report those global parameters, the value all
+    replica groups must agree on, without reaching into DiLoCo's internals."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.registered: dict[str, Callable[[], Any]] = {}
+        super().__init__(*args, **kwargs)
+
+    def register_state_dict_fn(self, key: str, load_state_dict: Callable[[Any], None],
+                               state_dict: Callable[[], Any]) -> None:
+        self.registered[key] = state_dict
+        super().register_state_dict_fn(key, load_state_dict, state_dict)
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        """Every fragment's global parameters, fragment by fragment, in name order."""
+        out: list[torch.Tensor] = []
+        for key in sorted((k for k in self.registered if k.startswith(FRAGMENT_KEY)),
+                          key=lambda k: int(k[len(FRAGMENT_KEY):])):
+            params = self.registered[key]()["original_parameters"]
+            out += [params[name] for name in sorted(params)]
+        return out
+
+
+class Progress:
+    """One JSON line per event, appended and flushed (a reader tails the file)."""
+
+    def __init__(self, path: str | None, **fixed: Any) -> None:
+        self._f = open(path, "a", buffering=1) if path else None
+        self._fixed = fixed
+
+    def write(self, **rec: Any) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps({"t": time.time(), **self._fixed, **rec}) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+
+
+def build_model(fragments: int) -> tuple[nn.Sequential, list[nn.Module]]:
+    """An MLP of ``max(4, fragments)`` Linear layers, cut into ``fragments`` contiguous
+    fragments of whole layers (Streaming DiLoCo syncs one fragment at a time)."""
+    layers = max(4, fragments)
+    dims = [32] + [64] * (layers - 1) + [4]
+    mods: list[nn.Module] = []
+    for i in range(layers):
+        mods.append(nn.Linear(dims[i], dims[i + 1]))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    model = nn.Sequential(*mods)
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    per = [layers // fragments + (1 if i < layers % fragments else 0) for i in range(fragments)]
+    frags: list[nn.Module] = []
+    start = 0
+    for n in per:
+        frags.append(nn.ModuleList(linears[start:start + n]))
+        start += n
+    return model, frags
+
+
+def intra_group(rank: int, world_size: int, timeout: timedelta, backend: str) -> bool:
+    """The plain torch group of this replica group's own ranks (False for one rank); it
+    rendezvouses in the TCPStore at MASTER_ADDR:MASTER_PORT under its own prefix."""
+    if world_size == 1:
+        return False
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                       is_master=False, timeout=timeout)
+    torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("train_diloco/intra", store),
+                                         rank=rank, world_size=world_size, timeout=timeout)
+    return True
+
+
+def average_in_group(model: nn.Module) -> None:
+    """Mean of the inner gradients over this group's ranks (a failure here is a dead rank
+    of this group: raised, and torchrun restarts the group)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= torch.distributed.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="fault-tolerant (Streaming) DiLoCo on synthetic data (one replica group)")
+    ap.add_argument("--steps", type=int, default=400, help="inner steps to run (400)")
+    ap.add_argument("--sync-every", type=int, default=20, help="inner steps for every fragment to sync once (20)")
+    ap.add_argument("--fragments", type=int, default=1, help="model fragments; >1 is Streaming DiLoCo (1)")
+    ap.add_argument("--fragment-sync-delay", type=int, default=0,
+                    help="inner steps a fragment's exchange overlaps (0; < sync-every / fragments)")
+    ap.add_argument("--alpha", type=float, default=0.0, help="fragment_update_alpha: weight of the local value "
+                    "when mixing after a sync (0)")
+    ap.add_argument("--quantize", action="store_true", help="int8 row-wise quantized pseudo-gradient exchange")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="bucketize the exchange into flat buffers of "
+                    "this many MiB (default: one allreduce per parameter)")
+    ap.add_argument("--batch-size", type=int, default=32, help="samples per rank per inner step (32)")
+    ap.add_argument("--inner-lr", type=float, default=1e-3, help="AdamW inner learning rate (1e-3)")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="Nesterov SGD outer learning rate (0.7)")
+    ap.add_argument("--samples", type=int, default=8192, help="size of the synthetic dataset (8192)")
+    ap.add_argument("--sleep", type=float, default=0.0, help="simulated compute seconds per inner step (0)")
+    ap.add_argument("--progress", default=None, help="append one JSON line per committed sync to this file")
+    ap.add_argument("--max-seconds", type=float, default=0.0, help="give up after this long (0: never); rc 3")
+    ap.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups a sync may commit with (1)")
+    ap.add_argument("--timeout", type=float, default=10.0, help="collective / transfer timeout, seconds (10)")
+    ap.add_argument("--connect-timeout", type=float, default=60.0,
+                    help="seconds to reach the lighthouse and the group's store (60)")
+    ap.add_argument("--hostname", default=None, help="address peers reach this rank at (default: 127.0.0.1 "
+                    "when MASTER_ADDR is loopback, else this host's name)")
+    ap.add_argument("--log-level", default="WARNING")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.fragments < 1 or args.sync_every % args.fragments:
+        raise SystemExit(f"--sync-every ({args.sync_every}) must be a multiple of --fragments ({args.fragments})")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "MASTER_PORT" not in os.environ:
+        if world_size != 1:
+            raise SystemExit("MASTER_ADDR/MASTER_PORT must be set when WORLD_SIZE > 1 (torchrun sets them)")
+        os.environ["MASTER_PORT"] = str(free_port())
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    num_groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+    os.environ.setdefault("REPLICA_GROUP_ID", str(group))
+    loopback = os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost", "::1")
+    hostname = args.hostname or ("127.0.0.1" if loopback else socket.gethostname())
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [group {group} rank {rank}] %(name)s: %(message)s")
+    torch.set_num_threads(1)
+
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    timeout = timedelta(seconds=args.timeout)
+    pg = rallypoint.ProcessGroupNCCL(timeout=timeout) if use_cuda else rallypoint.ProcessGroupGloo(timeout=timeout)
+
+    # The same synthetic regression data everywhere (seeded); each group and rank reads
+    # its own disjoint slice, so replica groups really train on different data.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.samples, 32, generator=gen)
+    y = torch.tanh(x @ torch.randn(32, 4, generator=gen)) + 0.05 * torch.randn(args.samples, 4, generator=gen)
+    shard = torch.arange(args.samples)[group * world_size + rank::num_groups * world_size]
+    data_gen = torch.Generator().manual_seed(1000 + group * world_size + rank)
+
+    # Each group starts from its own initialisation: DiLoCo's first round gives every
+    # replica the primary's global parameters (init_sync).
+    torch.manual_seed(group)
+    model, fragments = build_model(args.fragments)
+    model.to(device)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.inner_lr, weight_decay=0.0)
+    outers: list[torch.optim.Optimizer] = [
+        torch.optim.SGD(f.parameters(), lr=args.outer_lr, momentum=0.9, nesterov=True) for f in fragments
+    ]
+
+    manager = Manager(
+        pg=pg, load_state_dict=lambda sd: inner.load_state_dict(sd["inner_optim"]),
+        state_dict=lambda: {"inner_optim": inner.state_dict()},
+        min_replica_size=args.min_replicas, use_async_quorum=False,
+        hostname=hostname, timeout=timeout, quorum_timeout=3 * timeout,
+        connect_timeout=timedelta(seconds=args.connect_timeout),
+        checkpoint_transport=rallypoint.HTTPTransport(timeout=timeout, bind=f"{hostname}:0", advertise_host=hostname)
+        if hostname in ("127.0.0.1", "localhost") else None,
+    )
+    intra = intra_group(rank, world_size, timedelta(seconds=args.connect_timeout), "nccl" if use_cuda else "gloo")
+    progress = Progress(args.progress, group=group, rank=rank, pid=os.getpid())
+    diloco = DiLoCo(manager, fragments, inner, outers if len(outers) > 1 else outers[0], sync_every=args.sync_every,
+                    should_quantize=args.quantize, fragment_sync_delay=args.fragment_sync_delay,
+                    fragment_update_alpha=args.alpha, use_bucketization=args.bucket_mb is not None,
+                    bucket_cap_mb=args.bucket_mb)
+    if rank == 0:
+        print(f"group {group}: manager ready as {manager.replica_id} ({'nccl' if use_cuda else 'gloo'}, "
+              f"{world_size} rank(s), {args.fragments} fragment(s), sync every {args.sync_every})", flush=True)
+
+    t0 = time.monotonic()
+    rc, inner_step, syncs = 0, 0, 0
+    loss = torch.zeros(())
+    last_step = [-1]
+
+    def record(**extra: Any) -> None:
+        progress.write(step=manager.current_step(), inner_step=inner_step,
+                       global_sha256=tensors_sha256(manager.global_parameters()),
+                       local_sha256=tensors_sha256(list(model.parameters())),
+                       participants=manager.num_participants(), loss=round(float(loss.detach()), 5), **extra)
+
+    try:
+        with diloco:
+            last_step[0] = manager.current_step()
+            record(event="start")
+            while inner_step < args.steps:
+                if args.max_seconds and time.monotonic() - t0 > args.max_seconds:
+                    log.warning("giving up after %.0f s at inner step %d", args.max_seconds, inner_step)
+                    rc = 3
+                    break
+                idx = shard[torch.randint(len(shard), (args.batch_size,), generator=data_gen)]
+                inner.zero_grad()
+                if args.sleep:
+                    time.sleep(args.sleep)  # simulated compute
+                loss = nn.functional.mse_loss(model(x[idx].to(device)), y[idx].to(device))
+                loss.backward()
+                if intra:
+                    average_in_group(model)
+                inner.step()  # DiLoCo's hook syncs a fragment when its turn comes
+                inner_step += 1
+                if manager.current_step() != last_step[0]:  # a sync committed
+                    last_step[0] = manager.current_step()
+                    syncs += 1
+                    record(event="sync")
+    except KeyboardInterrupt:
+        rc = 130
+    finally:
+        record(event="exit", rc=rc, syncs=syncs)
+        progress.close()
+        manager.shutdown(wait=False)
+        pg.shutdown()
+        if intra:
+            torch.distributed.destroy_process_group()
+    if rank == 0:
+        print(f"group {group}: {inner_step} inner steps, {syncs} committed syncs, manager step "
+              f"{manager.current_step()}, loss {float(loss.detach()):.4f}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

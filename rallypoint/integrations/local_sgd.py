@@ -1,0 +1,296 @@
+"""LocalSGD, DiLoCo and Streaming DiLoCo on a rallypoint ``Manager``.
+
+Both are context managers that hook the *inner* optimizer's step
+(``register_step_post_hook``), so the training loop stays a plain inner loop::
+
+    with DiLoCo(manager, [model], inner_opt, outer_opt, sync_every=100):
+        for batch in data:
+            inner_opt.zero_grad(); loss(model, batch).backward(); inner_opt.step()
+
+Constructors and keyword names follow ``torchft.local_sgd`` 0.2.0, so switching is a
+change of import.
+
+LocalSGD
+    Every ``sync_every`` inner steps: a quorum, the parameters are averaged over the
+    participating replicas, and on commit the average replaces the local value. A sync
+    that does not commit changes nothing (the local value is kept; nothing committed is
+    lost) and the next sync retries.
+
+DiLoCo / Streaming DiLoCo
+    The model is split into ``len(model_fragments)`` fragments; each keeps its *global*
+    parameters ``G`` (a backup, CPU by default, pinned where CUDA exists) and an outer
+    optimizer. With ``H = sync_every // len(model_fragments)`` one fragment is synced
+    every ``H`` inner steps, in turn: round ``k`` syncs fragment ``(k - 1) % n`` where
+    ``k`` is the manager's step (the step-0 start round below makes the first regular
+    round step 1), so replicas that healed agree on the turn. A round of fragment ``f``:
+
+    1. after inner step ``H - fragment_sync_delay``: ``manager.start_quorum()`` (apart from the
+       start round below, the only place a quorum runs) and the pseudo-gradient ``Δ = G_f - L_f`` (``L`` the local,
+       inner-trained value) is averaged over the participating replicas
+       (``manager.allreduce``, optionally bucketized and/or int8-quantized); the exchange
+       overlaps the next ``fragment_sync_delay`` inner steps;
+    2. after inner step ``H``: wait for it, put the fragment back on ``G_f``, and ask
+       ``manager.should_commit()``. On commit: ``outer_optimizer.step()`` with ``mean(Δ)``
+       as the gradient of ``G_f`` gives ``G'_f``; the backup becomes ``G'_f``; then the
+       model gets ``(1 - alpha) * G'_f + alpha * L_f`` (torchft's
+       ``lerp_(local, alpha)``; ``L_f`` is the local value at this point, i.e. including
+       the inner steps taken during the delay; ``alpha = 0`` drops them, ``alpha = 1``
+       keeps the local value and only moves the backup).
+
+    A failed round (any allreduce error, a peer dying, too few replicas, a failed heal)
+    does not commit: the fragment's parameters are restored from the backup, so its
+    local progress since its last committed sync is discarded, while ``G``, the outer
+    optimizer state and the manager's step stay those of the last commit. The manager
+    step does not advance, so the next round retries the same fragment.
+
+    The quorum is synchronous: DiLoCo requires ``Manager(use_async_quorum=False)`` so that
+    a heal is applied before the pseudo-gradient is computed.
+
+Healing
+    Each fragment registers ``StreamingDiLoCoFragment_<i>`` with
+    ``manager.register_state_dict_fn``: its global parameters and its outer optimizer
+    state. A replica that is behind receives them at a round's quorum and restarts its
+    local parameters of every fragment from the received global ones; it then takes part
+    in that round with a zero pseudo-gradient (so that round's mean is over all
+    participants, the healed one contributing no progress).
+
+Step-0 start round
+    On entering the context at manager step 0, every replica runs one round without an
+    outer step: a quorum (with ``init_sync`` every non-primary replica receives the
+    primary's global state, i.e. its initial parameters), a one-element allreduce (so
+    the primary keeps serving its state until the healing peers have it) and a commit.
+    With ``init_sync=False`` nothing is copied: give every replica the same seed. All replicas
+    therefore start their first inner step from the primary's step-0 parameters (in
+    torchft 0.2.0 the first quorum only happens at the first sync, after each replica
+    trained from its own initialisation). A replica that starts at step 0 while the
+    others are already past it (a restart, or a new replica) finds a quorum at step > 0:
+    it heals and takes part in that running round as described above.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn, optim
+from torch.utils.hooks import RemovableHandle
+
+from rallypoint.integrations._fragment import Fragment, local_view
+
+log = logging.getLogger("rallypoint.integrations.local_sgd")
+
+USE_BUCKETIZATION_ENV = "TORCHFT_USE_BUCKETIZATION"  # torchft's switch, honoured for drop-in use
+RALLYPOINT_USE_BUCKETIZATION_ENV = "RALLYPOINT_USE_BUCKETIZATION"
+DEFAULT_BUCKET_CAP_BYTES = 1024 * 1024 * 1024  # torchft's default: 1 GiB
+START_ROUND_ATTEMPTS = 5
+
+
+class LocalSGD:
+    """Average the model's parameters over the replicas every ``sync_every`` inner
+    optimizer steps (see the module docstring for the failure semantics)."""
+
+    def __init__(self, manager: Any, model: nn.Module, optimizer: optim.Optimizer, sync_every: int) -> None:
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self._manager = manager
+        self._model = model
+        self._local_optimizer = optimizer
+        self._sync_every = sync_every
+        self._local_step = 0
+        self._hooks: list[RemovableHandle] = []
+
+    def __enter__(self) -> "LocalSGD":
+        self._hooks.append(self._local_optimizer.register_step_post_hook(self._step_post_hook))
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        return False
+
+    def _step_post_hook(self, _opt: optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._local_step += 1
+        if self._local_step >= self._sync_every:
+            self.sync()
+
+    def sync(self) -> bool:
+        """Quorum, average, and on commit adopt the average. True if it committed."""
+        self._manager.start_quorum()
+        params = [p for p in self._model.parameters()]
+        with torch.no_grad():
+            avgs = [local_view(p.detach()).clone() for p in params]
+        works = [self._manager.allreduce(a) for a in avgs]
+        for w in works:
+            w.wait()
+        # should_commit may apply a heal of the user's registered state first; the
+        # average is copied after it, so a healed replica ends on the average too.
+        committed = bool(self._manager.should_commit())
+        if committed:
+            with torch.no_grad():
+                for p, a in zip(params, avgs):
+                    local_view(p.data).copy_(a)
+        else:
+            log.warning("LocalSGD: sync at step %d did not commit; keeping the local parameters",
+                        self._manager.current_step())
+        self._local_step = 0
+        return committed
+
+
+class DiLoCo:
+    """DiLoCo and Streaming DiLoCo (see the module docstring for the exact rule).
+
+    Args mirror ``torchft.local_sgd.DiLoCo`` 0.2.0: ``manager`` (with
+    ``use_async_quorum=False``), ``model_fragments`` (modules; their parameters must be
+    disjoint), ``inner_optimizer``, ``outer_optimizer`` (one for all fragments, or a list
+    with one per fragment), ``sync_every`` (inner steps for all fragments to sync once),
+    ``backup_device`` (where the global parameters live; CPU by default),
+    ``pin_memory`` (pin a CPU backup where CUDA exists), ``use_bucketization`` /
+    ``bucket_cap_mb`` (pack the pseudo-gradients into flat buffers of at most this many
+    MiB; default 1 GiB), ``should_quantize`` (int8 row-wise quantized allreduce),
+    ``fragment_sync_delay`` (inner steps the exchange overlaps), ``fragment_update_alpha``
+    (weight of the local value when mixing after a sync).
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        model_fragments: list[nn.Module],
+        inner_optimizer: optim.Optimizer,
+        outer_optimizer: optim.Optimizer | list[optim.Optimizer],
+        sync_every: int,
+        backup_device: torch.device | None = None,
+        pin_memory: bool = True,
+        use_bucketization: bool = False,
+        bucket_cap_mb: float | None = None,
+        should_quantize: bool = False,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
+    ) -> None:
+        n = len(model_fragments)
+        if n == 0:
+            raise ValueError("DiLoCo needs at least one model fragment")
+        if getattr(manager, "_use_async_quorum", False):
+            raise ValueError(
+                "DiLoCo requires a synchronous quorum: create the Manager with use_async_quorum=False "
+                "(a heal must be applied before the pseudo-gradient is computed)"
+            )
+        if isinstance(outer_optimizer, list) and len(outer_optimizer) != n:
+            raise ValueError(f"{len(outer_optimizer)} outer optimizers for {n} model fragments; give one per fragment")
+        if sync_every < n:
+            raise ValueError(f"sync_every={sync_every} is smaller than the {n} fragments: each needs >= 1 inner step")
+        if sync_every % n != 0:
+            raise ValueError(f"sync_every={sync_every} must be a multiple of the number of fragments ({n})")
+        self._every = sync_every // n
+        if not 0 <= fragment_sync_delay < self._every:
+            raise ValueError(
+                f"fragment_sync_delay={fragment_sync_delay} must be in [0, {self._every}): a fragment's exchange "
+                "must finish before the next fragment's starts"
+            )
+        if not 0.0 <= fragment_update_alpha <= 1.0:
+            raise ValueError(f"fragment_update_alpha={fragment_update_alpha} must be in [0, 1]")
+        seen: set[int] = set()
+        for m in model_fragments:
+            for p in m.parameters():
+                if id(p) in seen:
+                    raise ValueError("a parameter belongs to more than one model fragment")
+                seen.add(id(p))
+        if should_quantize and "should_quantize" not in inspect.signature(manager.allreduce).parameters:
+            raise ValueError("should_quantize=True needs a Manager whose allreduce accepts should_quantize")
+        env_buckets = os.environ.get(USE_BUCKETIZATION_ENV) == "True" or \
+            os.environ.get(RALLYPOINT_USE_BUCKETIZATION_ENV, "").lower() in ("1", "true")
+        cap = DEFAULT_BUCKET_CAP_BYTES if bucket_cap_mb is None else int(bucket_cap_mb * 1024 * 1024)
+
+        self._manager = manager
+        self._local_optimizer = inner_optimizer
+        self._delay = fragment_sync_delay
+        self._local_step = 0
+        self._pending: Fragment | None = None  # the fragment whose exchange is in flight
+        self._started = False
+        self._hooks: list[RemovableHandle] = []
+        self._fragments = [
+            Fragment(
+                manager, m, i, outer_optimizer[i] if isinstance(outer_optimizer, list) else outer_optimizer,
+                backup_device, pin_memory, use_bucketization or env_buckets, cap, should_quantize,
+                fragment_update_alpha,
+            )
+            for i, m in enumerate(model_fragments)
+        ]
+        for f in self._fragments:
+            f.save_global()
+            f.register()
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> "DiLoCo":
+        if not self._started:
+            self._started = True
+            if self._manager.current_step() == 0:
+                self._start_round()
+        self._hooks.append(self._local_optimizer.register_step_post_hook(self._step_post_hook))
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        return False
+
+    # ------------------------------------------------------------------ schedule
+    def _fragment(self) -> Fragment:
+        """This round's fragment: a function of the manager's step, which all replicas
+        of the quorum share (a healed one receives it)."""
+        return self._fragments[(self._manager.current_step() - 1) % len(self._fragments)]
+
+    def _step_post_hook(self, _opt: optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._local_step += 1
+        if self._local_step == self._every - self._delay:
+            self._manager.start_quorum()
+            frag = self._fragment()
+            log.debug("DiLoCo: preparing fragment %d at manager step %d", frag.index, self._manager.current_step())
+            frag.prepare()
+            self._pending = frag
+        if self._local_step == self._every:
+            self._local_step = 0
+            frag, self._pending = self._pending, None
+            assert frag is not None
+            committed = frag.perform()
+            log.debug("DiLoCo: fragment %d sync committed=%s, manager step %d", frag.index, committed,
+                      self._manager.current_step())
+
+    def _start_round(self) -> None:
+        """The step-0 round (see the module docstring): everyone at step 0 agrees on the
+        primary's initial global state and commits step 0 without an outer step; a
+        replica that finds the others past step 0 joins their running round."""
+        for attempt in range(1, START_ROUND_ATTEMPTS + 1):
+            for f in self._fragments:
+                f.save_global()  # the parameters as of entering: what a peer would heal from
+            self._manager.start_quorum()
+            if self._manager.current_step() > 0:
+                # Healed into a running job: take part in the round the others are in,
+                # with a zero pseudo-gradient (local == the global state just received).
+                frag = self._fragment()
+                frag.prepare()
+                committed = frag.perform()
+                log.info("DiLoCo: joined a running job at step %d (fragment %d, committed=%s)",
+                         self._manager.current_step(), frag.index, committed)
+                return
+            # A collective before the commit: a replica that serves its state must not
+            # withdraw it (should_commit does) before the healing peer fetched it; the
+            # peer joins this allreduce only after its heal was applied.
+            self._manager.allreduce(torch.zeros(1)).wait()
+            if self._manager.should_commit():
+                for f in self._fragments:
+                    f.restore_global()
+                log.info("DiLoCo: step-0 round committed; starting from the agreed global parameters")
+                return
+            log.warning("DiLoCo: step-0 round failed (attempt %d/%d); retrying", attempt, START_ROUND_ATTEMPTS)
+        raise RuntimeError(f"DiLoCo: the step-0 round failed {START_ROUND_ATTEMPTS} times; see the manager's errors")
+
+
+__all__ = ["DiLoCo", "LocalSGD"]
