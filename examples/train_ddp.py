@@ -29,11 +29,8 @@ sha256 of the parameters, batches_committed, heals) for a demo or a test to foll
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -45,21 +42,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import rallypoint
 
+if __package__:  # imported as examples.train_ddp
+    from . import _common
+else:  # run as a script (python or torchrun): this file's folder is on sys.path
+    import _common
+
 log = logging.getLogger("train_ddp")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def params_sha256(model: nn.Module) -> str:
-    """sha256 of every parameter's bytes, in order (identical replicas, identical hash)."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(bytes(p.detach().cpu().contiguous().flatten().view(torch.uint8).tolist()))
-    return h.hexdigest()
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -90,93 +78,25 @@ class HealTimer(logging.Handler):
             self.received = record.created
 
 
-class Progress:
-    """One JSON line per event, appended and flushed (a reader tails the file)."""
-
-    def __init__(self, path: str | None, **fixed: Any) -> None:
-        self._f = open(path, "a", buffering=1) if path else None
-        self._fixed = fixed
-
-    def write(self, **rec: Any) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps({"t": time.time(), **self._fixed, **rec}) + "\n")
-            self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-
-
-def intra_group(rank: int, world_size: int, timeout: timedelta, backend: str) -> bool | None:
-    """The plain torch process group of this replica group's own ranks (None for one rank).
-
-    It rendezvouses in the group's TCPStore at MASTER_ADDR:MASTER_PORT (the manager's on
-    group rank 0, or torchrun's agent store), under its own prefix."""
-    if world_size == 1:
-        return None
-    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                       is_master=False, timeout=timeout)
-    torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("train_ddp/intra", store),
-                                         rank=rank, world_size=world_size, timeout=timeout)
-    return True
-
-
-def average_in_group(model: nn.Module, _intra: bool) -> None:
-    """Mean of the (already cross-replica averaged) gradients over the group's ranks.
-
-    Every group has the same number of ranks, so this is the mean over all ranks of all
-    live groups. A failure here means a rank of this group died: the group exits and
-    restarts as a whole (torchrun's job), so it is raised."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
-    torch.distributed.all_reduce(flat)
-    flat /= torch.distributed.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="fault-tolerant DDP training on synthetic data (one replica group)")
     ap.add_argument("--steps", type=int, default=1000, help="stop after this many committed steps (1000)")
     ap.add_argument("--batch-size", type=int, default=32, help="samples per rank per step (32)")
     ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (0.05)")
     ap.add_argument("--sleep", type=float, default=0.0, help="simulated compute seconds per step (0)")
-    ap.add_argument("--progress", default=None, help="append one JSON line per step to this file")
     ap.add_argument("--stop-file", default=None, help="stop once the step reaches the number in this file")
-    ap.add_argument("--max-seconds", type=float, default=0.0, help="give up after this long (0: never); rc 3")
-    ap.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups a step may commit with (1)")
-    ap.add_argument("--timeout", type=float, default=10.0, help="collective / transfer timeout, seconds (10)")
-    ap.add_argument("--connect-timeout", type=float, default=60.0,
-                    help="seconds to reach the lighthouse and the group's store (60; ranks may start far apart)")
-    ap.add_argument("--hostname", default=None, help="address peers reach this rank at (default: 127.0.0.1 "
-                    "when MASTER_ADDR is loopback, else this host's name)")
-    ap.add_argument("--samples", type=int, default=8192, help="size of the synthetic dataset (8192)")
     ap.add_argument("--wait-file", default=None, help="stand by (torch imported, model built) until this file "
                     "exists, then join: a pre-warmed replacement for a replica that may die")
-    ap.add_argument("--log-level", default="WARNING")
+    _common.add_common_args(ap)  # --progress, --max-seconds, --min-replicas, --timeout, ...
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if "MASTER_PORT" not in os.environ:
-        if world_size != 1:
-            raise SystemExit("MASTER_ADDR/MASTER_PORT must be set when WORLD_SIZE > 1 (torchrun sets them)")
-        os.environ["MASTER_PORT"] = str(free_port())
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
-    num_groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
-    os.environ.setdefault("REPLICA_GROUP_ID", str(group))
-    loopback = os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost", "::1")
-    hostname = args.hostname or ("127.0.0.1" if loopback else socket.gethostname())
+    env = _common.replica_env(args.hostname)  # torchrun's RANK/WORLD_SIZE/..., REPLICA_GROUP_ID, ...
+    rank, world_size, group = env.rank, env.world_size, env.group
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s [group {group} rank {rank}] %(name)s: %(message)s")
+    _common.setup_logging(args.log_level, env)
     heal_timer = HealTimer()
     for handler in logging.getLogger().handlers:  # the console keeps --log-level ...
         handler.setLevel(args.log_level.upper())
@@ -184,21 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     manager_log.addHandler(heal_timer)
     manager_log.setLevel(min(manager_log.getEffectiveLevel(), logging.INFO))  # ... the timer needs INFO
 
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = _common.pick_device(rank)
+    use_cuda = device.type == "cuda"
     timeout = timedelta(seconds=args.timeout)
     pg = rallypoint.ProcessGroupNCCL(timeout=timeout) if use_cuda else rallypoint.ProcessGroupGloo(timeout=timeout)
 
     # The same synthetic regression data on every rank (seeded); each rank reads its shard.
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(args.samples, 32, generator=gen)
-    w_true = torch.randn(32, 4, generator=gen)
-    dataset = TensorDataset(x, torch.tanh(x @ w_true) + 0.05 * torch.randn(args.samples, 4, generator=gen))
-    sampler = rallypoint.DistributedSampler(dataset, replica_rank=group, num_replica_groups=num_groups,
+    dataset = TensorDataset(*_common.synthetic_regression(args.samples))
+    sampler = rallypoint.DistributedSampler(dataset, replica_rank=group, num_replica_groups=env.num_groups,
                                             group_rank=rank, num_replicas=world_size, seed=0)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
@@ -220,23 +133,25 @@ def main(argv: list[str] | None = None) -> int:
         heals.append({"t": now, "bytes": tensor_bytes(sd), "transfer_s": transfer,
                       "step_s": now - step_started[0]})
 
-    progress = Progress(args.progress, group=group, rank=rank, pid=os.getpid())
+    progress = _common.Progress(args.progress, group=group, rank=rank, pid=os.getpid())
     if args.wait_file:
         progress.write(event="standby", step=0)
-        t_wait = time.monotonic()
+        standby = _common.Deadline(args.max_seconds)
         while not os.path.exists(args.wait_file):
-            if args.max_seconds and time.monotonic() - t_wait > args.max_seconds:
+            if standby.expired():
                 return 3
             time.sleep(0.02)
     manager = rallypoint.Manager(
         pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=args.min_replicas,
-        hostname=hostname, timeout=timeout, quorum_timeout=3 * timeout,
+        hostname=env.hostname, timeout=timeout, quorum_timeout=3 * timeout,
         connect_timeout=timedelta(seconds=args.connect_timeout),
-        checkpoint_transport=rallypoint.HTTPTransport(timeout=timeout, bind=f"{hostname}:0", advertise_host=hostname)
-        if hostname in ("127.0.0.1", "localhost") else None,
+        checkpoint_transport=_common.checkpoint_transport(env.hostname, timeout),
     )
     manager.register_state_dict_fn("sampler", sampler.load_state_dict, sampler.state_dict)
-    intra = intra_group(rank, world_size, timedelta(seconds=args.connect_timeout), "nccl" if use_cuda else "gloo")
+    intra = world_size > 1  # ranks of a group read different shards: they also average inside the group
+    if intra:
+        _common.init_intra_group("train_ddp", env, "nccl" if use_cuda else "gloo",
+                                 timedelta(seconds=args.connect_timeout))
     ddp = rallypoint.DistributedDataParallel(manager, model)
     optimizer = rallypoint.Optimizer(manager, inner)
     progress.write(event="ready", step=manager.current_step(), replica_id=manager.replica_id)
@@ -244,25 +159,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"group {group}: manager ready as {manager.replica_id} ({'nccl' if use_cuda else 'gloo'}, "
               f"{world_size} rank(s))", flush=True)
 
-    t0 = time.monotonic()
-    batches = iter(loader)
+    deadline = _common.Deadline(args.max_seconds)
+    batches = _common.forever(loader)
     rc = 0
     loss = torch.zeros(())
     try:
         while manager.current_step() < args.steps:
-            if args.stop_file and os.path.exists(args.stop_file):
-                text = open(args.stop_file).read().strip()
-                if text and manager.current_step() >= int(text):
-                    break
-            if args.max_seconds and time.monotonic() - t0 > args.max_seconds:
+            if _common.stop_requested(args.stop_file, manager.current_step()):
+                break
+            if deadline.expired():
                 log.warning("giving up after %.0f s at step %d", args.max_seconds, manager.current_step())
                 rc = 3
                 break
-            try:  # the batch before zero_grad(): see rallypoint.integrations.data
-                xb, yb = next(batches)
-            except StopIteration:
-                batches = iter(loader)
-                xb, yb = next(batches)
+            xb, yb = next(batches)  # the batch before zero_grad(): see rallypoint.integrations.data
             step_started[0] = time.time()
             n_heals = len(heals)
             optimizer.zero_grad()  # starts this step's quorum
@@ -270,13 +179,14 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(args.sleep)  # simulated compute; the quorum forms meanwhile
             loss = nn.functional.mse_loss(ddp(xb.to(device)), yb.to(device))
             loss.backward()
-            if intra is not None:  # ranks of a group read different shards: average inside the group too
-                average_in_group(model, intra)
+            if intra:  # the (already cross-replica averaged) gradients, averaged over the group's ranks
+                _common.average_in_group(model)
             committed = optimizer.step()  # steps only if every replica's allreduce succeeded
             rec: dict[str, Any] = {
                 "event": "step", "step": manager.current_step(), "committed": committed,
                 "participants": manager.num_participants(), "batches_committed": manager.batches_committed(),
-                "loss": round(float(loss.detach()), 5), "sha256": params_sha256(model), "heals": len(heals),
+                "loss": round(float(loss.detach()), 5), "sha256": _common.tensors_sha256(model.parameters()),
+                "heals": len(heals),
             }
             if len(heals) > n_heals:
                 rec["heal"] = heals[-1]
@@ -284,13 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         rc = 130
     finally:
-        progress.write(event="exit", step=manager.current_step(), sha256=params_sha256(model), rc=rc,
-                       batches_committed=manager.batches_committed(), heals=len(heals))
+        progress.write(event="exit", step=manager.current_step(), sha256=_common.tensors_sha256(model.parameters()),
+                       rc=rc, batches_committed=manager.batches_committed(), heals=len(heals))
         progress.close()
         ddp.shutdown()
         manager.shutdown(wait=False)
         pg.shutdown()
-        if intra is not None:
+        if intra:
             torch.distributed.destroy_process_group()
     if rank == 0:
         print(f"group {group}: stopped at step {manager.current_step()}, loss {float(loss.detach()):.4f}, "

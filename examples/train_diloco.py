@@ -33,11 +33,8 @@ every replica group agrees on the global parameters.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -50,23 +47,14 @@ from torch import nn
 import rallypoint
 from rallypoint.integrations.local_sgd import DiLoCo
 
+if __package__:  # imported as examples.train_diloco
+    from . import _common
+else:  # run as a script (python or torchrun): this file's folder is on sys.path
+    import _common
+
 log = logging.getLogger("train_diloco")
 
 FRAGMENT_KEY = "StreamingDiLoCoFragment_"  # the state_dict keys DiLoCo registers (torchft's names)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tensors_sha256(tensors: list[torch.Tensor]) -> str:
-    """sha256 of the tensors' bytes, in order (identical values, identical hash)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).tolist()))
-    return h.hexdigest()
 
 
 class Manager(rallypoint.Manager):
@@ -96,23 +84,6 @@ class Manager(rallypoint.Manager):
         return out
 
 
-class Progress:
-    """One JSON line per event, appended and flushed (a reader tails the file)."""
-
-    def __init__(self, path: str | None, **fixed: Any) -> None:
-        self._f = open(path, "a", buffering=1) if path else None
-        self._fixed = fixed
-
-    def write(self, **rec: Any) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps({"t": time.time(), **self._fixed, **rec}) + "\n")
-            self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-
-
 def build_model(fragments: int) -> tuple[nn.Sequential, list[nn.Module]]:
     """An MLP of ``max(4, fragments)`` Linear layers, cut into ``fragments`` contiguous
     fragments of whole layers (Streaming DiLoCo syncs one fragment at a time)."""
@@ -134,31 +105,6 @@ def build_model(fragments: int) -> tuple[nn.Sequential, list[nn.Module]]:
     return model, frags
 
 
-def intra_group(rank: int, world_size: int, timeout: timedelta, backend: str) -> bool:
-    """The plain torch group of this replica group's own ranks (False for one rank); it
-    rendezvouses in the TCPStore at MASTER_ADDR:MASTER_PORT under its own prefix."""
-    if world_size == 1:
-        return False
-    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                       is_master=False, timeout=timeout)
-    torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("train_diloco/intra", store),
-                                         rank=rank, world_size=world_size, timeout=timeout)
-    return True
-
-
-def average_in_group(model: nn.Module) -> None:
-    """Mean of the inner gradients over this group's ranks (a failure here is a dead rank
-    of this group: raised, and torchrun restarts the group)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
-    torch.distributed.all_reduce(flat)
-    flat /= torch.distributed.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="fault-tolerant (Streaming) DiLoCo on synthetic data (one replica group)")
     ap.add_argument("--steps", type=int, default=400, help="inner steps to run (400)")
@@ -174,17 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=32, help="samples per rank per inner step (32)")
     ap.add_argument("--inner-lr", type=float, default=1e-3, help="AdamW inner learning rate (1e-3)")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="Nesterov SGD outer learning rate (0.7)")
-    ap.add_argument("--samples", type=int, default=8192, help="size of the synthetic dataset (8192)")
     ap.add_argument("--sleep", type=float, default=0.0, help="simulated compute seconds per inner step (0)")
-    ap.add_argument("--progress", default=None, help="append one JSON line per committed sync to this file")
-    ap.add_argument("--max-seconds", type=float, default=0.0, help="give up after this long (0: never); rc 3")
-    ap.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups a sync may commit with (1)")
-    ap.add_argument("--timeout", type=float, default=10.0, help="collective / transfer timeout, seconds (10)")
-    ap.add_argument("--connect-timeout", type=float, default=60.0,
-                    help="seconds to reach the lighthouse and the group's store (60)")
-    ap.add_argument("--hostname", default=None, help="address peers reach this rank at (default: 127.0.0.1 "
-                    "when MASTER_ADDR is loopback, else this host's name)")
-    ap.add_argument("--log-level", default="WARNING")
+    _common.add_common_args(ap, unit="sync")  # --progress, --max-seconds, --min-replicas, --timeout, ...
     return ap.parse_args(argv)
 
 
@@ -192,39 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.fragments < 1 or args.sync_every % args.fragments:
         raise SystemExit(f"--sync-every ({args.sync_every}) must be a multiple of --fragments ({args.fragments})")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if "MASTER_PORT" not in os.environ:
-        if world_size != 1:
-            raise SystemExit("MASTER_ADDR/MASTER_PORT must be set when WORLD_SIZE > 1 (torchrun sets them)")
-        os.environ["MASTER_PORT"] = str(free_port())
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
-    num_groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
-    os.environ.setdefault("REPLICA_GROUP_ID", str(group))
-    loopback = os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost", "::1")
-    hostname = args.hostname or ("127.0.0.1" if loopback else socket.gethostname())
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s [group {group} rank {rank}] %(name)s: %(message)s")
+    env = _common.replica_env(args.hostname)  # torchrun's RANK/WORLD_SIZE/..., REPLICA_GROUP_ID, ...
+    rank, world_size, group = env.rank, env.world_size, env.group
+    _common.setup_logging(args.log_level, env)
     torch.set_num_threads(1)
 
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = _common.pick_device(rank)
+    use_cuda = device.type == "cuda"
     timeout = timedelta(seconds=args.timeout)
     pg = rallypoint.ProcessGroupNCCL(timeout=timeout) if use_cuda else rallypoint.ProcessGroupGloo(timeout=timeout)
 
     # The same synthetic regression data everywhere (seeded); each group and rank reads
     # its own disjoint slice, so replica groups really train on different data.
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(args.samples, 32, generator=gen)
-    y = torch.tanh(x @ torch.randn(32, 4, generator=gen)) + 0.05 * torch.randn(args.samples, 4, generator=gen)
-    shard = torch.arange(args.samples)[group * world_size + rank::num_groups * world_size]
-    data_gen = torch.Generator().manual_seed(1000 + group * world_size + rank)
+    x, y = _common.synthetic_regression(args.samples)
+    global_rank, global_size = group * world_size + rank, env.num_groups * world_size
+    shard = torch.arange(args.samples)[global_rank::global_size]
+    data_gen = torch.Generator().manual_seed(1000 + global_rank)
 
     # Each group starts from its own initialisation: DiLoCo's first round gives every
     # replica the primary's global parameters (init_sync).
@@ -240,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         pg=pg, load_state_dict=lambda sd: inner.load_state_dict(sd["inner_optim"]),
         state_dict=lambda: {"inner_optim": inner.state_dict()},
         min_replica_size=args.min_replicas, use_async_quorum=False,
-        hostname=hostname, timeout=timeout, quorum_timeout=3 * timeout,
+        hostname=env.hostname, timeout=timeout, quorum_timeout=3 * timeout,
         connect_timeout=timedelta(seconds=args.connect_timeout),
-        checkpoint_transport=rallypoint.HTTPTransport(timeout=timeout, bind=f"{hostname}:0", advertise_host=hostname)
-        if hostname in ("127.0.0.1", "localhost") else None,
+        checkpoint_transport=_common.checkpoint_transport(env.hostname, timeout),
     )
-    intra = intra_group(rank, world_size, timedelta(seconds=args.connect_timeout), "nccl" if use_cuda else "gloo")
-    progress = Progress(args.progress, group=group, rank=rank, pid=os.getpid())
+    intra = world_size > 1  # ranks of a group average their inner gradients every step
+    if intra:
+        _common.init_intra_group("train_diloco", env, "nccl" if use_cuda else "gloo",
+                                 timedelta(seconds=args.connect_timeout))
+    progress = _common.Progress(args.progress, group=group, rank=rank, pid=os.getpid())
     diloco = DiLoCo(manager, fragments, inner, outers if len(outers) > 1 else outers[0], sync_every=args.sync_every,
                     should_quantize=args.quantize, fragment_sync_delay=args.fragment_sync_delay,
                     fragment_update_alpha=args.alpha, use_bucketization=args.bucket_mb is not None,
@@ -255,15 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"group {group}: manager ready as {manager.replica_id} ({'nccl' if use_cuda else 'gloo'}, "
               f"{world_size} rank(s), {args.fragments} fragment(s), sync every {args.sync_every})", flush=True)
 
-    t0 = time.monotonic()
+    deadline = _common.Deadline(args.max_seconds)
     rc, inner_step, syncs = 0, 0, 0
     loss = torch.zeros(())
     last_step = [-1]
 
     def record(**extra: Any) -> None:
         progress.write(step=manager.current_step(), inner_step=inner_step,
-                       global_sha256=tensors_sha256(manager.global_parameters()),
-                       local_sha256=tensors_sha256(list(model.parameters())),
+                       global_sha256=_common.tensors_sha256(manager.global_parameters()),
+                       local_sha256=_common.tensors_sha256(model.parameters()),
                        participants=manager.num_participants(), loss=round(float(loss.detach()), 5), **extra)
 
     try:
@@ -271,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             last_step[0] = manager.current_step()
             record(event="start")
             while inner_step < args.steps:
-                if args.max_seconds and time.monotonic() - t0 > args.max_seconds:
+                if deadline.expired():
                     log.warning("giving up after %.0f s at inner step %d", args.max_seconds, inner_step)
                     rc = 3
                     break
@@ -282,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 loss = nn.functional.mse_loss(model(x[idx].to(device)), y[idx].to(device))
                 loss.backward()
                 if intra:
-                    average_in_group(model)
+                    _common.average_in_group(model)
                 inner.step()  # DiLoCo's hook syncs a fragment when its turn comes
                 inner_step += 1
                 if manager.current_step() != last_step[0]:  # a sync committed

@@ -42,8 +42,28 @@ def make_manager(lighthouse: str, name: str, min_replicas: int, timeout_s: float
     return m, pg
 
 
+_together: threading.Barrier | None = None  # the replica threads of the current run_threads
+
+
+def leave_together(timeout: float = 30.0) -> None:
+    """Called by a replica thread before it shuts its manager down: wait (bounded) until
+    every replica of the run got here. A replica that leaves while a peer is still in
+    its last sync makes that sync fail (the lighthouse reports the leaver gone and the
+    peer aborts), which a golden trajectory must not see."""
+    b = _together
+    if b is None:
+        return
+    try:
+        b.wait(timeout)
+    except threading.BrokenBarrierError:
+        pass  # a peer failed or timed out: its error is what the test reports
+
+
 def run_threads(bodies: list[Callable[[], Any]], timeout: float = 60.0) -> list[Any]:
-    """Run each body in its own thread; their results (an exception is re-raised)."""
+    """Run each body in its own thread; their results (an exception is re-raised).
+    Bodies call :func:`leave_together` before shutting their managers down."""
+    global _together
+    _together = threading.Barrier(len(bodies))
     results: list[Any] = [None] * len(bodies)
     errors: list[BaseException | None] = [None] * len(bodies)
 
@@ -52,6 +72,8 @@ def run_threads(bodies: list[Callable[[], Any]], timeout: float = 60.0) -> list[
             results[i] = bodies[i]()
         except BaseException as e:  # noqa: BLE001
             errors[i] = e
+            if _together is not None:
+                _together.abort()  # nobody waits for a replica that failed
 
     threads = [threading.Thread(target=main, args=(i,), daemon=True) for i in range(len(bodies))]
     for t in threads:

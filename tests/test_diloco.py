@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from diloco_worker import DiLoCoReplicas, make_manager, run_threads
+from diloco_worker import DiLoCoReplicas, leave_together, make_manager, run_threads
 from rallypoint.integrations import _buckets
 from rallypoint.integrations.local_sgd import DiLoCo
 
@@ -118,6 +118,7 @@ def diloco_replica(lh: Any, r: int, n_frags: int, sync_every: int, delay: int, a
                 "glob": [t.clone() for f in d._fragments for t in f.backup.values()],
                 "step": m.current_step(), "entered": entered}
     finally:
+        leave_together()
         m.shutdown(wait=False)
         pg.shutdown()
 

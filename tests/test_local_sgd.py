@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from diloco_worker import make_manager, run_threads
+from diloco_worker import leave_together, make_manager, run_threads
 from rallypoint.integrations.local_sgd import LocalSGD
 
 LR, STEPS, SYNC_EVERY = 0.1, 7, 3
@@ -85,6 +85,7 @@ def replica(lh: Any, r: int, fail_sync: int | None) -> tuple[list[torch.Tensor],
                 opt.step()
         return [p.detach().clone() for p in model.parameters()], m.current_step(), results
     finally:
+        leave_together()
         m.shutdown(wait=False)
         pg.shutdown()
 

@@ -215,11 +215,14 @@ class TorchBackendGroup(ProcessGroup):
             if isinstance(err, ProcessGroupError):
                 work.interrupt(err)
         # Dropping the backend joins its worker threads, which wait out a stuck op's
-        # timeout: let that happen off the caller's thread.
+        # timeout: let that happen off the caller's thread. Not a daemon: a process that
+        # exits within that timeout waits for it (bounded by gloo's op timeout), because
+        # tearing the interpreter down under a running gloo op ends in std::terminate
+        # (SIGABRT, "terminate called without an active exception").
         backend, self._backend, self._store = self._backend, None, None
         if backend is not None:
             stuck = [w.inner for w in pending]
-            threading.Thread(target=_release, args=(backend, stuck), name="rallypoint-gloo-release", daemon=True).start()
+            threading.Thread(target=_release, args=(backend, stuck), name="rallypoint-gloo-release", daemon=False).start()
         del backend
 
     def shutdown(self) -> None:
