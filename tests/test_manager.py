@@ -259,3 +259,65 @@ def test_quantized_allreduce_across_two_replica_groups(lighthouse_factory) -> No
             m.shutdown()
         for pg in pgs:
             pg.shutdown()
+
+
+@pytest.mark.parametrize("when", ["after_collectives", "before_collectives"])
+def test_a_peer_leaving_fails_only_collectives_it_could_block(lighthouse_factory, when: str) -> None:
+    """A quorum member shuts down (its goodbye reaches the others at once).
+    ``after_collectives``: this step's allreduce already finished, so the survivor still
+    commits the step (its data is complete; a replica ending its job must not fail its
+    peers' last step). ``before_collectives``: the survivor's next allreduce of this
+    quorum fails at once, naming the peer, instead of waiting out the timeout."""
+    import concurrent.futures as cf
+    from datetime import timedelta
+
+    import torch
+
+    from conftest import wait_until
+    from rallypoint.manager import Manager
+    from rallypoint.process_groups import ProcessGroupGloo
+
+    lh = lighthouse_factory(min_replicas=1, join_timeout_ms=10_000, heartbeat_timeout_ms=30_000)
+    pgs = [ProcessGroupGloo(timeout=timedelta(seconds=20)) for _ in range(2)]
+
+    def make(i: int) -> Any:
+        return Manager(pgs[i], lambda sd: None, dict, min_replica_size=1, rank=0, world_size=1,
+                       hostname="127.0.0.1", store_addr="127.0.0.1", lighthouse_addr=lh.address(),
+                       replica_id=f"leave{i}", timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=20),
+                       connect_timeout=timedelta(seconds=10), init_sync=False)
+
+    def first_half(m: Any) -> int:
+        m.start_quorum()
+        m.wait_quorum()
+        if when == "after_collectives":
+            t = torch.ones(3)
+            m.allreduce(t).wait()
+        return m.num_participants()
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        m0, m1 = ex.map(make, range(2))
+    try:
+        with cf.ThreadPoolExecutor(2) as ex:
+            assert list(ex.map(first_half, (m0, m1), timeout=60)) == [2, 2]
+        if when == "after_collectives":
+            assert m1.should_commit() is True
+        m1.shutdown()
+        wait_until(lambda: m0._lost_peer is not None, 10, what="the survivor told that leave1 is gone")
+        if when == "after_collectives":
+            assert m0.should_commit() is True and m0.current_step() == 1
+        else:
+            t0 = time.monotonic()
+            m0.allreduce(torch.ones(3)).wait()
+            assert time.monotonic() - t0 < 5  # not the 20 s collective timeout
+            assert "leave1" in str(m0.errored())
+            assert m0.should_commit() is False
+        m0.start_quorum()  # the survivor goes on alone
+        t = torch.full((2,), 5.0)
+        m0.allreduce(t).wait()
+        assert m0.num_participants() == 1 and t.tolist() == [5.0, 5.0]
+        assert m0.should_commit() is True
+    finally:
+        m0.shutdown()
+        m1.shutdown()
+        for pg in pgs:
+            pg.shutdown()

@@ -58,6 +58,11 @@ class ManagedWork(DoneWork):
     def is_completed(self) -> bool:
         return self._done
 
+    def finished(self) -> bool:
+        """Whether the collective itself has ended (waited for or not): nothing of it
+        can still block on a peer."""
+        return self._done or bool(self._inner.is_completed())
+
     def get_future(self) -> torch.futures.Future:
         self.wait()
         return super().get_future()

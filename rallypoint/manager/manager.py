@@ -48,6 +48,7 @@ import torch
 from torch.distributed import ReduceOp, TCPStore
 
 from rallypoint.manager._config import ReplicaLog as _ReplicaLog, WorldSizeMode, env as _env, td as _td
+from rallypoint.manager._failfast import FailFast
 from rallypoint.manager._heal import Healer, materialise
 from rallypoint.manager._peer_relay import PeerDownRelay
 from rallypoint.manager._work import DoneWork, ManagedWork
@@ -62,7 +63,7 @@ REPLICA_ID_KEY = "replica_id"
 log = logging.getLogger("rallypoint.manager")
 
 
-class Manager:
+class Manager(FailFast):
     """Fault-tolerant data-parallel training for one rank of one replica group.
 
     Arguments mirror torchft 0.2.0. Unset arguments fall back to the environment:
@@ -136,6 +137,10 @@ class Manager:
         self._pending_state_dict: dict[str, Any] | None = None
         self._heal_plan: QuorumResult | None = None  # a heal to serve/fetch on the training thread
         self._served_round = -1  # the round the training thread last served a heal in
+        self._works: list[ManagedWork] = []  # this round's collectives (for _on_peer_down)
+        self._works_lock = threading.Lock()
+        self._lost_peer: tuple[int, Exception] | None = None  # (round, why): a quorum member died
+        self._heal_busy = False
         self._round = 0  # start_quorum calls so far
         self._quorum_round = -1  # the round _last_quorum was received in
         self._quorum_error: Exception | None = None  # raised by should_commit / wait_quorum
@@ -230,43 +235,6 @@ class Manager:
                 self._relay.start()
         self._log.info("manager ready: server %s, store %s:%d", addr, store_host, self._store.port)
 
-    def _on_peer_down(self, replica_id: str, reason: str) -> None:
-        # Runs on the liveness thread (rank 0) or the relay thread (other ranks). Abort only
-        # when the dead peer is in our quorum, so a blocked collective fails now instead of
-        # after the full timeout.
-        if self._group_rank == 0 and self._relay is not None:
-            try:
-                self._relay.publish(replica_id, reason)
-            except Exception as e:  # noqa: BLE001
-                self._log.warning("could not relay the loss of %s to the other group ranks: %s", replica_id, e)
-        fut, q = self._quorum_future, self._last_quorum
-        if fut is not None and not fut.done() and self._quorum_round != self._round:
-            # This step's quorum is still being formed: the lighthouse leaves the dead peer out.
-            self._log.info("peer %s is down (%s) while a quorum forms; not aborting", replica_id, reason)
-            return
-        if q is not None and replica_id in q.replica_ids and replica_id != self._replica_id:
-            self._abort(ConnectionError(f"peer replica {replica_id} went down ({reason})"))
-
-    def _abort(self, e: Exception) -> None:
-        """Record ``e`` and abort the process group once per quorum, so that every
-        collective blocked on it (ours and, through the closed connections, our peers')
-        fails now. The next quorum has a new id (this step reports a commit failure), so
-        the group is rebuilt before it is used again."""
-        self.report_error(e)
-        with self._err_lock:
-            if self._aborted_quorum == self._quorum_id:
-                return
-            self._aborted_quorum = self._quorum_id
-        self._log.warning("aborting the process group of quorum %d: %s", self._quorum_id, e)
-        try:
-            self._pg.abort()
-        except Exception as ae:  # noqa: BLE001
-            self._log.warning("process group abort failed: %s", ae)
-
-    def _comm_failed(self, e: Exception) -> None:
-        """A collective failed or timed out (called from a work's ``wait``)."""
-        self._abort(e)
-
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
         with self._state_lock:
@@ -300,7 +268,9 @@ class Manager:
         self._pending_state_dict = None
         self._heal_plan = None
         self._quorum_error = None
-        self._round += 1
+        with self._works_lock:
+            self._works = []
+            self._round += 1
         self._quorum_future = self._executor.submit(
             self._async_quorum, allow_heal, shrink_only, timeout or self._quorum_timeout
         )
@@ -413,6 +383,7 @@ class Manager:
         q, self._heal_plan = self._heal_plan, None
         if q is None:
             return
+        self._heal_busy = True
         try:
             if q.recover_dst_replica_ranks:
                 self._healer.serve(q, materialise(self._manager_state_dict()))
@@ -422,6 +393,8 @@ class Manager:
         except Exception as e:  # noqa: BLE001
             self._log.warning("recovery failed: %s", e)
             self.report_error(e)
+        finally:
+            self._heal_busy = False
 
     def _apply_pending_state_dict(self) -> None:
         pending = self._pending_state_dict
@@ -474,32 +447,28 @@ class Manager:
                 )
         if not self.is_participating():
             tensor.zero_()
-        try:
-            if should_quantize:
-                from rallypoint.process_groups.quantization import allreduce_quantized
+        with self._works_lock:
+            lost = self._lost_peer
+            if lost is not None and lost[0] == self._round:
+                self._comm_failed(lost[1])  # a quorum member is gone: this collective cannot finish
+                return DoneWork(tensor)
+            try:
+                if should_quantize:
+                    from rallypoint.process_groups.quantization import allreduce_quantized
 
-                work = allreduce_quantized(self._pg, [tensor], timeout=self._timeout)
-            else:
-                work = self._pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
-        except Exception as e:  # noqa: BLE001
-            self._comm_failed(e)
-            return DoneWork(tensor)
-        return ManagedWork(self, work, tensor, max(1, self._participating_world_size) if avg else None)
+                    work = allreduce_quantized(self._pg, [tensor], timeout=self._timeout)
+                else:
+                    work = self._pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
+            except Exception as e:  # noqa: BLE001
+                self._comm_failed(e)
+                return DoneWork(tensor)
+            managed = ManagedWork(self, work, tensor, max(1, self._participating_world_size) if avg else None)
+            self._works.append(managed)
+        return managed
 
     def _quorum_size(self) -> int:
         q = self._last_quorum
         return q.replica_world_size if q is not None else 0
-
-    def report_error(self, e: Exception) -> None:
-        """Mark this step failed (it will not commit); the next quorum recovers."""
-        with self._err_lock:
-            if self._errored is None:
-                self._log.warning("step %d error: %s", self._step, e)
-                self._errored = e
-
-    def errored(self) -> Exception | None:
-        with self._err_lock:
-            return self._errored
 
     # ------------------------------------------------------------------ commit
     def should_commit(self, timeout: timedelta | None = None) -> bool:

@@ -1,0 +1,107 @@
+"""Fail fast when a peer dies: the part of the ``Manager`` that records a step's errors
+and aborts the cross-replica process group, so that collectives blocked on a dead peer
+fail now instead of after the full collective timeout.
+
+Two sources: the first collective error of a step (a work's ``wait``), and the
+lighthouse's notice that a member of the current quorum died (the liveness stream on
+group rank 0, relayed to the group's other ranks). The notice aborts only what can still
+block on the dead peer -- this round's configure or heal (on the quorum thread or the
+training thread), or a collective in flight --
+so a peer that leaves after our collectives finished (a replica ending its job) does not
+fail a step whose data is complete; a collective issued later in that round fails at
+once instead of hanging.
+
+A mixin: :class:`rallypoint.manager.manager.Manager` owns the state it reads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from typing import Any
+
+from rallypoint.manager.recovery import QuorumResult
+
+
+class FailFast:
+    """Error recording and aborts of :class:`Manager` (see the module docstring)."""
+
+    _err_lock: threading.Lock
+    _errored: Exception | None
+    _aborted_quorum: int | None
+    _quorum_id: int
+    _step: int
+    _pg: Any
+    _log: logging.LoggerAdapter
+    _group_rank: int
+    _relay: Any
+    _replica_id: str
+    _quorum_future: cf.Future | None
+    _last_quorum: QuorumResult | None
+    _quorum_round: int
+    _round: int
+    _works: list[Any]
+    _works_lock: threading.Lock
+    _lost_peer: tuple[int, Exception] | None
+    _heal_busy: bool  # a heal is being served or fetched on the training thread
+
+    def report_error(self, e: Exception) -> None:
+        """Mark this step failed (it will not commit); the next quorum recovers."""
+        with self._err_lock:
+            if self._errored is None:
+                self._log.warning("step %d error: %s", self._step, e)
+                self._errored = e
+
+    def errored(self) -> Exception | None:
+        with self._err_lock:
+            return self._errored
+
+    def _on_peer_down(self, replica_id: str, reason: str) -> None:
+        # Runs on the liveness thread (rank 0) or the relay thread (other ranks). Abort only
+        # when the dead peer is in our quorum, so a blocked collective fails now instead of
+        # after the full timeout.
+        if self._group_rank == 0 and self._relay is not None:
+            try:
+                self._relay.publish(replica_id, reason)
+            except Exception as e:  # noqa: BLE001
+                self._log.warning("could not relay the loss of %s to the other group ranks: %s", replica_id, e)
+        fut, q = self._quorum_future, self._last_quorum
+        if fut is not None and not fut.done() and self._quorum_round != self._round:
+            # This step's quorum is still being formed: the lighthouse leaves the dead peer out.
+            self._log.info("peer %s is down (%s) while a quorum forms; not aborting", replica_id, reason)
+            return
+        if q is None or replica_id not in q.replica_ids or replica_id == self._replica_id:
+            return
+        e = ConnectionError(f"peer replica {replica_id} went down ({reason})")
+        with self._works_lock:  # see the module docstring for what counts as busy
+            self._lost_peer = (self._round, e)
+            busy = (fut is not None and not fut.done()) or self._heal_busy or any(not w.finished() for w in self._works)
+        if busy:
+            self._abort(e)
+        else:
+            self._log.info("%s after this step's collectives finished; a later collective of quorum %d fails fast",
+                           e, self._quorum_id)
+
+    def _abort(self, e: Exception) -> None:
+        """Record ``e`` and abort the process group once per quorum, so that every
+        collective blocked on it (ours and, through the closed connections, our peers')
+        fails now. The next quorum has a new id (this step reports a commit failure), so
+        the group is rebuilt before it is used again."""
+        self.report_error(e)
+        with self._err_lock:
+            if self._aborted_quorum == self._quorum_id:
+                return
+            self._aborted_quorum = self._quorum_id
+        self._log.warning("aborting the process group of quorum %d: %s", self._quorum_id, e)
+        try:
+            self._pg.abort()
+        except Exception as ae:  # noqa: BLE001
+            self._log.warning("process group abort failed: %s", ae)
+
+    def _comm_failed(self, e: Exception) -> None:
+        """A collective failed or timed out (called from a work's ``wait``)."""
+        self._abort(e)
+
+
+__all__ = ["FailFast"]
