@@ -89,7 +89,28 @@ DEFAULT_BUCKET_CAP_BYTES = 1024 * 1024 * 1024  # torchft's default: 1 GiB
 START_ROUND_ATTEMPTS = 5
 
 
-class LocalSGD:
+class _InnerStepHook:
+    """A context that runs ``_step_post_hook`` after every step of ``_local_optimizer``
+    while it is entered (the inner loop stays a plain loop)."""
+
+    _local_optimizer: optim.Optimizer
+    _hooks: list[RemovableHandle]
+
+    def _hook_inner_steps(self) -> None:
+        self._hooks.append(self._local_optimizer.register_step_post_hook(self._step_post_hook))
+
+    def _step_post_hook(self, _opt: optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        return False
+
+
+class LocalSGD(_InnerStepHook):
     """Average the model's parameters over the replicas every ``sync_every`` inner
     optimizer steps (see the module docstring for the failure semantics)."""
 
@@ -104,15 +125,8 @@ class LocalSGD:
         self._hooks: list[RemovableHandle] = []
 
     def __enter__(self) -> "LocalSGD":
-        self._hooks.append(self._local_optimizer.register_step_post_hook(self._step_post_hook))
+        self._hook_inner_steps()
         return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        return False
 
     def _step_post_hook(self, _opt: optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         self._local_step += 1
@@ -142,7 +156,7 @@ class LocalSGD:
         return committed
 
 
-class DiLoCo:
+class DiLoCo(_InnerStepHook):
     """DiLoCo and Streaming DiLoCo (see the module docstring for the exact rule).
 
     Args mirror ``torchft.local_sgd.DiLoCo`` 0.2.0: ``manager`` (with
@@ -231,15 +245,8 @@ class DiLoCo:
             self._started = True
             if self._manager.current_step() == 0:
                 self._start_round()
-        self._hooks.append(self._local_optimizer.register_step_post_hook(self._step_post_hook))
+        self._hook_inner_steps()
         return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        return False
 
     # ------------------------------------------------------------------ schedule
     def _fragment(self) -> Fragment:
