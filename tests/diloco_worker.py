@@ -139,9 +139,12 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     frags = [model[0], model[2]]
-    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    # Inner momentum: its buffers change at every inner step, including the step a sender
+    # takes during the sync delay while a healing peer fetches the state it served.
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     outers = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in frags]
     m, pg = make_manager(lighthouse, name, int(opts.get("min_replicas", 1)), float(opts.get("timeout", 5)))
+    m.register_state_dict_fn("inner_optim", inner.load_state_dict, inner.state_dict)
     data = torch.Generator().manual_seed(1000 + seed)
     delay = float(opts.get("delay", 0.02))
     t0 = time.monotonic()

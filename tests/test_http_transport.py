@@ -498,3 +498,28 @@ def test_shutdown_without_waiting_ends_cleanly(caplog: pytest.LogCaptureFixture)
     assert not t._thread.is_alive()
     assert not [r for r in caplog.records if "crashed" in r.getMessage()], caplog.text
     assert t._sock.fileno() == -1
+
+
+def test_served_state_is_a_copy_unless_asked_otherwise(transports: Callable[..., HTTPTransport]) -> None:
+    """Training goes on while a peer fetches (DiLoCo's sync delay, BatchNorm buffers in
+    forward): by default the receiver gets the state as it was when it was served. With
+    ``copy_on_send=False`` the same change is caught by the checksums, never received."""
+    import copy as copy_mod
+
+    sd = make_state(5)
+    want = copy_mod.deepcopy(sd)
+    src, dst = transports(), transports()
+    assert src.copies_state
+    src.send_checkpoint([1], 2, sd, TEN)
+    for t in sd["model"].values():
+        if t.is_floating_point():
+            t.add_(1)  # the sender's next inner step
+    assert_same(want, dst.recv_checkpoint(0, src.metadata(), 2, TEN))
+
+    lazy = transports(copy_on_send=False)
+    assert not lazy.copies_state
+    sd = make_state(6)
+    lazy.send_checkpoint([1], 3, sd, TEN)
+    sd["model"]["layer0.weight"].add_(1)
+    with pytest.raises(TransferError, match="checksum"):
+        dst.recv_checkpoint(0, lazy.metadata(), 3, TEN)

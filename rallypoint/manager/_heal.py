@@ -2,10 +2,12 @@
 from the assigned source. The :class:`Manager` decides *when* (on the quorum thread, or on
 the training thread at a safe point); this module only does the transfer.
 
-Why the training-thread variant copies the state before serving it: served on the training
-thread inside ``should_commit``, the sender's optimizer steps right after the vote, while
-the healing peer may still be reading. A copy taken at the safe point is what the peer
-receives, whatever the sender does next, so the offer can stay up until the next step.
+Why what is served is a copy: training may change the state while the healing peer reads
+it (served on the training thread inside ``should_commit``, the optimizer steps right
+after the vote; a synchronous quorum's sender steps on through DiLoCo's sync delay;
+BatchNorm buffers change during forward). A copy taken when it is served is what the peer
+receives, whatever the sender does next. Our transports copy (HTTP) or finish before
+returning (process group); another transport is given a copy (:func:`materialise`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,13 @@ class Healer:
         self._log = log
 
     def serve(self, q: QuorumResult, state: Any) -> None:
-        """Offer ``state`` as step ``q.max_step`` to the replica ranks that heal from us."""
+        """Offer ``state`` as step ``q.max_step`` to the replica ranks that heal from us.
+        Training may change the state before the peer has it (a synchronous quorum's
+        sender steps on through DiLoCo's sync delay; BatchNorm buffers change in forward),
+        so a transport that does not copy or finish on its own (``copies_state``: ours
+        do) serves a copy."""
+        if not getattr(self._transport, "copies_state", False):
+            state = materialise(state)
         self._log.info("serving step %d to replica ranks %s", q.max_step, list(q.recover_dst_replica_ranks))
         self._transport.send_checkpoint(
             dst_ranks=list(q.recover_dst_replica_ranks), step=q.max_step, state_dict=state, timeout=self._timeout,

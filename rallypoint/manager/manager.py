@@ -49,7 +49,7 @@ from torch.distributed import ReduceOp, TCPStore
 
 from rallypoint.manager._config import ReplicaLog as _ReplicaLog, WorldSizeMode, env as _env, td as _td
 from rallypoint.manager._failfast import FailFast
-from rallypoint.manager._heal import Healer, materialise
+from rallypoint.manager._heal import Healer
 from rallypoint.manager._peer_relay import PeerDownRelay
 from rallypoint.manager._work import DoneWork, ManagedWork
 from rallypoint.manager.client import ManagerClient
@@ -386,7 +386,7 @@ class Manager(FailFast):
         self._heal_busy = True
         try:
             if q.recover_dst_replica_ranks:
-                self._healer.serve(q, materialise(self._manager_state_dict()))
+                self._healer.serve(q, self._manager_state_dict())
                 self._served_round = self._round
             if q.heal:
                 self._pending_state_dict = self._healer.fetch(q, into=self._manager_state_dict(), mesh=self.heal_mesh)

@@ -186,8 +186,12 @@ class HTTPTransport(CheckpointTransport[Any]):
         block: int = wire.DEFAULT_BLOCK,
         max_header_bytes: int = wire.DEFAULT_MAX_HEADER_BYTES,
         publish_wait: timedelta | None = None,
+        copy_on_send: bool = True,
     ) -> None:
         self._timeout = timeout
+        #: ``send_checkpoint`` serves a copy (the caller may change its state at once);
+        #: off: contiguous CPU tensors are served from their own memory (no extra RAM).
+        self.copies_state = bool(copy_on_send)
         self._publish_wait = None if publish_wait is None else publish_wait.total_seconds()
         self._num_chunks = max(1, int(num_chunks))
         self._token = token
@@ -332,12 +336,15 @@ class HTTPTransport(CheckpointTransport[Any]):
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         """Encode ``state_dict`` and serve it as ``step`` until :meth:`disallow_checkpoint`.
 
-        Returns once it is served. Contiguous CPU tensors are served from their own memory,
-        so the caller must not mutate them before ``disallow_checkpoint`` returns (a mutation
-        would be caught by the receiver's checksums, not silently received). ``timeout``
-        bounds each piece's send and ``disallow_checkpoint``'s wait for this step.
+        Returns once it is served. By default (``copy_on_send``) a copy is served, so the
+        caller may change its state at once: training goes on while a peer fetches (a
+        synchronous quorum's sender keeps stepping through DiLoCo's sync delay; BatchNorm
+        buffers change during forward). With ``copy_on_send=False`` contiguous CPU tensors
+        are served from their own memory and must not change before ``disallow_checkpoint``
+        returns (a change is caught by the receiver's checksums, not silently received).
+        ``timeout`` bounds each piece's send and ``disallow_checkpoint``'s wait for this step.
         """
-        enc = wire.encode(state_dict, block=self._block, extra={"step": step})
+        enc = wire.encode(state_dict, block=self._block, extra={"step": step}, copy=self.copies_state)
         self.disallow_checkpoint()
         with self._lock:
             self._served = _Served(step, enc, timeout.total_seconds())

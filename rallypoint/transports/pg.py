@@ -187,6 +187,9 @@ def _wait(work: Any, dl: _Deadline, what: str) -> None:
 class PGTransport(CheckpointTransport[Any]):
     """Checkpoint transfer over a configured process group (see the module docstring).
 
+    ``send_checkpoint`` returns only when the receivers have everything, so the caller's
+    state may change right after it (``copies_state``: nothing served outlives the call).
+
     Args:
         pg: the group to send/recv on (a temporary one or the cross-replica group); ranks
             passed to send/recv are ranks of this group.
@@ -195,6 +198,8 @@ class PGTransport(CheckpointTransport[Any]):
         state_dict: optional callable returning the receiver's own state dict, the
             default ``into=`` template of :meth:`recv_checkpoint` (torchft's argument).
     """
+
+    copies_state = True
 
     def __init__(
         self,

@@ -182,12 +182,14 @@ class Encoded:
             f.write(v)
 
 
-def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any] | None = None) -> Encoded:
+def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any] | None = None,
+           copy: bool = False) -> Encoded:
     """Encode ``state_dict`` (nested dict/list/tuple of tensors and plain values).
 
     Non-contiguous or device tensors are copied to contiguous host memory (only the
-    elements they view); contiguous CPU tensors are not copied. Raises :class:`WireError`
-    naming the key of a leaf that is not allowed.
+    elements they view); contiguous CPU tensors are not copied unless ``copy`` (then the
+    encoding shares no memory with ``state_dict``, which may change while it is served).
+    Raises :class:`WireError` naming the key of a leaf that is not allowed.
     """
     if block <= 0:
         raise ValueError("block must be positive")
@@ -215,6 +217,8 @@ def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any]
         if name is None:
             raise WireError(f"{key}: dtype {local.dtype} is not supported by the wire format", key=key)
         t = T.sendable(local)
+        if copy and t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            t = t.clone()
         view = T.byte_view(t)
         n = view.nbytes
         specs.append(
