@@ -365,9 +365,9 @@ class Manager(FailFast):
             return
         try:
             if q.recover_dst_replica_ranks:
-                # Served now, so the healing peer finds it as soon as it asks; the state
-                # is not mutated before should_commit withdraws it (the optimizer steps
-                # after that). User state_dict callbacks therefore run on this thread.
+                # Served now, so the healing peer finds it as soon as it asks (a copy:
+                # see _heal.py); withdrawn in should_commit. User state_dict callbacks
+                # therefore run on this thread (heal_on_training_thread moves them).
                 self._healer.serve(q, self._manager_state_dict())
             if q.heal:
                 self._pending_state_dict = self._healer.fetch(q)
