@@ -42,11 +42,19 @@ if TYPE_CHECKING:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def free_port() -> int:
-    """A TCP port the OS says is free on 127.0.0.1 (for a group's store without torchrun)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_HOSTED_STORES: list[Any] = []  # stores this process hosts, kept alive as long as it runs
+
+
+def host_store() -> int:
+    """Host a replica group's TCPStore in this process, as torchrun's agent does, on a
+    port the OS picks (so no other process can take it between choosing and binding),
+    and return the port. Every rank, this one included, connects to it through
+    ``MASTER_ADDR``/``MASTER_PORT``; it lives as long as this process."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _HOSTED_STORES.append(store)
+    return int(store.port)
 
 
 # --- the launch environment -------------------------------------------------------------
@@ -67,10 +75,11 @@ class ReplicaEnv:
 def replica_env(hostname: str | None = None) -> ReplicaEnv:
     """Read (and complete) the environment a rank is launched with.
 
-    torchrun sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; without it this
-    process is rank 0 of a group of one on a free port. The defaults are written back to
-    ``os.environ`` because the Manager reads them from there (group rank 0 hosts the
-    group's store at ``MASTER_ADDR:MASTER_PORT``), as it reads ``REPLICA_GROUP_ID`` and
+    torchrun sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (and hosts the
+    group's store there); without it this process is rank 0 of a group of one and hosts
+    the store itself (:func:`host_store`). The defaults are written back to
+    ``os.environ`` because the Manager reads them from there (every rank connects to
+    the store at ``MASTER_ADDR:MASTER_PORT``), as it reads ``REPLICA_GROUP_ID`` and
     ``RALLYPOINT_LIGHTHOUSE``. ``hostname`` (the ``--hostname`` flag) is the address peers
     reach this rank at; by default 127.0.0.1 when the group is on loopback, so a job on
     one machine never depends on the host's name resolving."""
@@ -80,7 +89,8 @@ def replica_env(hostname: str | None = None) -> ReplicaEnv:
     if "MASTER_PORT" not in os.environ:
         if world_size != 1:
             raise SystemExit("MASTER_ADDR/MASTER_PORT must be set when WORLD_SIZE > 1 (torchrun sets them)")
-        os.environ["MASTER_PORT"] = str(free_port())
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(host_store())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
     num_groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
@@ -256,8 +266,9 @@ def launch_local(script: str, n: int, argv: list[str], max_seconds: float) -> in
     """torchrun's job for one replica group on this host: start ``n`` ranks of ``script``
     (each with torchrun's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
     ``MASTER_PORT``) and wait for them. If one fails the others are stopped: a group
-    restarts as a whole, as under torchrun."""
-    port = str(free_port())
+    restarts as a whole, as under torchrun. The group's store is hosted here, as torchrun's
+    agent hosts it."""
+    port = str(host_store())
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",

@@ -7,7 +7,7 @@ default), shows a live table, SIGKILLs every process of one group in the middle 
 step, restarts it a second later, watches it heal from a live peer and rejoin, stops all
 groups at a common step and compares a sha256 of the parameters of every rank.
 Prints the timeline; exits 0 only when the kill and rejoin happened and all replicas
-are identical. Stops by itself, loopback and free ports only, leaves no process.
+are identical. Stops by itself, loopback and OS-assigned ports only, leaves no process.
 
 Run: ``python examples/demo_training.py`` (``--ranks 1,1,1`` for single-rank groups).
 """
@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,10 +34,18 @@ TRAIN = HERE / "train_ddp.py"
 WAIT_S = 60.0  # bound of every phase's wait
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_STORES: list[Any] = []  # the groups' TCPStores, hosted here for the demo's lifetime
+
+
+def host_store() -> int:
+    """Host one replica group's TCPStore here, as torchrun's agent would, on a port the OS
+    picks; its ranks connect to it through MASTER_ADDR/MASTER_PORT. A new one for every
+    incarnation, so a restarted group never reads its predecessor's keys."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _STORES.append(store)
+    return int(store.port)
 
 
 class Group:
@@ -112,7 +119,7 @@ class Demo:
         inc = g.incarnation + 1
         procs, files = [], []
         wait = ["--wait-file", str(self.dir / f"go.g{g.gid}")] if standby else []
-        port = free_port()
+        port = host_store()
         for rank in range(g.ranks):
             env = dict(os.environ, REPLICA_GROUP_ID=str(g.gid), NUM_REPLICA_GROUPS=str(len(self.groups)),
                        RALLYPOINT_LIGHTHOUSE=self.lh, RANK=str(rank), WORLD_SIZE=str(g.ranks),

@@ -48,6 +48,29 @@ def wait_until(pred: Callable[[], Any], timeout: float = 5.0, interval: float = 
         time.sleep(interval)
 
 
+def listening_ports() -> set[int]:
+    """TCP ports this process has a listening socket on (from /proc; no probing)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def replica_row(status: dict, rid: str) -> dict | None:
     """The ``replicas`` entry of ``rid`` in a status document (None if absent)."""
     for r in status["replicas"]:

@@ -230,16 +230,20 @@ class Groups:
         self.all: list[subprocess.Popen] = []
         self.stop = tmp / "stop"
         self._launches = 0
+        self.stores: list[Any] = []
 
     def out(self, name: str, rank: int) -> Path:
         return self.tmp / f"{name}-r{rank}.json"
 
     def start(self, name: str, **opts: Any) -> list[subprocess.Popen]:
-        import socket
+        import torch.distributed as dist
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # The group's store, hosted here as torchrun's agent would (bound to port 0, so
+        # no other process can take the port between choosing and binding it); a new
+        # one per launch, so a restarted group never reads its predecessor's keys.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.stores.append(store)
+        port = store.port
         self._launches += 1
         ps = []
         for r in range(self.world):

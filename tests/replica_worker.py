@@ -46,7 +46,6 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
     own manager, process group and model copy, all on the same data); rank r > 0 writes
     its progress to ``<name>-r<r>.json``."""
     import logging
-    import socket
     import threading
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -55,9 +54,12 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
     ranks = int(opts.get("ranks", 1))
     if ranks == 1:
         return run_rank(lighthouse, name, seed, out, stop, opts, 0, 1, None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    import torch.distributed as dist
+
+    # The group's store, hosted by the launcher (as torchrun's agent does) on a port the
+    # OS picks; the ranks connect to it.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     rcs = [4] * ranks
 
     def main(r: int) -> None:

@@ -35,19 +35,26 @@ def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(5, 3, generator=g).double(), torch.randn(5, 2, generator=g).double()
 
 
-def inner_step(ps: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-    """One SGD step on the mean squared error of ``tanh(x W1^T + b1) W2^T + b2``."""
-    ps = [p.clone().requires_grad_(True) for p in ps]
-    w1, b1, w2, b2 = ps
+def inner_step(ps: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+               grad_at: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """One SGD step on the mean squared error of ``tanh(x W1^T + b1) W2^T + b2``, with
+    the gradient taken at ``grad_at`` (default: ``ps`` itself)."""
+    at = [p.clone().requires_grad_(True) for p in (grad_at if grad_at is not None else ps)]
+    w1, b1, w2, b2 = at
     loss = ((torch.tanh(x @ w1.T + b1) @ w2.T + b2 - y) ** 2).mean()
-    grads = torch.autograd.grad(loss, ps)
+    grads = torch.autograd.grad(loss, at)
     return [(p - INNER_LR * g).detach() for p, g in zip(ps, grads)]
 
 
 def reference(n_frags: int, sync_every: int, delay: int, alpha: float, init: list[torch.Tensor],
-              fail_rounds: set[int] = frozenset(), nesterov: bool = True) -> tuple[list, list]:
+              fail_rounds: set[int] = frozenset(), nesterov: bool = True,
+              first_grad_at: list[list[torch.Tensor]] | None = None,
+              steps: list[int] | None = None) -> tuple[list, list]:
     """The DiLoCo rule for 2 replicas, step by step: returns (local params per replica,
-    global params)."""
+    global params). Both replicas start from ``init``; ``first_grad_at[r]``: where replica
+    r's first gradient was taken (its own initialisation, before the start round gave it
+    ``init``). ``steps`` receives the committed syncs after every inner step: the
+    manager step torchft reports."""
     frag_of = [[0, 1], [2, 3]] if n_frags == 2 else [[0, 1, 2, 3]]
     H = sync_every // n_frags
     local = [[p.clone() for p in init] for _ in range(2)]
@@ -56,7 +63,8 @@ def reference(n_frags: int, sync_every: int, delay: int, alpha: float, init: lis
     rnd, attempt, c, mean_delta = 0, 0, 0, None
     for s in range(STEPS):
         for r in range(2):
-            local[r] = inner_step(local[r], *batch(r, s))
+            at = first_grad_at[r] if first_grad_at is not None and s == 0 else None
+            local[r] = inner_step(local[r], *batch(r, s), grad_at=at)
         c += 1
         f = frag_of[rnd % n_frags]
         if c == H - delay:
@@ -69,6 +77,8 @@ def reference(n_frags: int, sync_every: int, delay: int, alpha: float, init: lis
                 for r in range(2):
                     for i in f:
                         local[r][i] = glob[i].clone()
+                if steps is not None:
+                    steps.append(rnd)
                 continue
             for i in f:
                 g = mean_delta[i]
@@ -81,6 +91,8 @@ def reference(n_frags: int, sync_every: int, delay: int, alpha: float, init: lis
                 for r in range(2):
                     local[r][i] = (1 - alpha) * glob[i] + alpha * local[r][i]
             rnd += 1
+        if steps is not None:
+            steps.append(rnd)
     return local, glob
 
 
@@ -103,20 +115,31 @@ def diloco_replica(lh: Any, r: int, n_frags: int, sync_every: int, delay: int, a
     try:
         d = DiLoCo(m, frags, inner, outers, sync_every=sync_every, fragment_sync_delay=delay,
                    fragment_update_alpha=alpha, **kw)
+        entered: dict[str, Any] = {}
+        steps: list[int] = []
+
+        def first_step(*_: Any) -> None:
+            # Registered after DiLoCo's own pre-hook: runs after the start round.
+            if not entered:
+                entered.update(step=m.current_step(), model=[p.detach().clone() for p in model.parameters()],
+                               backup=[t.clone() for f in d._fragments for t in f.backup.values()])
+
         with d:
-            entered = {"step": m.current_step(), "model": [p.detach().clone() for p in model.parameters()],
-                       "backup": [t.clone() for f in d._fragments for t in f.backup.values()]}
-            h = inner.register_step_post_hook(lambda *_: hook(r, m, d, model)) if hook else None
+            hooks = [inner.register_step_pre_hook(first_step),
+                     inner.register_step_post_hook(lambda *_: steps.append(m.current_step()))]
+            if hook:
+                hooks.append(inner.register_step_post_hook(lambda *_: hook(r, m, d, model)))
             for s in range(STEPS):
                 x, y = batch(r, s)
                 inner.zero_grad()
                 ((model(x) - y) ** 2).mean().backward()
                 inner.step()
-            if h is not None:
+            for h in hooks:
                 h.remove()
         return {"model": [p.detach().clone() for p in model.parameters()],
                 "glob": [t.clone() for f in d._fragments for t in f.backup.values()],
-                "step": m.current_step(), "entered": entered}
+                "step": m.current_step(), "steps": steps, "entered": entered,
+                "batches": m.batches_committed()}
     finally:
         leave_together()
         m.shutdown(wait=False)
@@ -145,17 +168,25 @@ def assert_matches(out: list[dict[str, Any]], local: list, glob: list, tol: floa
     (2, 4, 0, 0.0, False),
     (2, 4, 1, 0.5, True),
     (2, 6, 2, 0.0, False),
+    (2, 6, 1, 1.0, False),
 ])
 def test_golden_trajectory(lighthouse, n_frags: int, sync_every: int, delay: int, alpha: float,
                            buckets: bool) -> None:
+    """Parameters, global parameters and the manager step after every inner step equal
+    the plain reference; the step counts committed syncs only (torchft's count: the
+    start round is not one), and so does batches_committed."""
     kw: dict[str, Any] = {}
     if buckets:  # 40 bytes: every parameter gets a bucket of its own (several per fragment)
         kw = {"use_bucketization": True, "bucket_cap_mb": 40 / 2**20}
     out = run_pair(lighthouse, n_frags, sync_every, delay, alpha, **kw)
-    local, glob = reference(n_frags, sync_every, delay, alpha, init_params(1))
+    steps: list[int] = []
+    local, glob = reference(n_frags, sync_every, delay, alpha, init_params(1), steps=steps)
     assert_matches(out, local, glob)
     syncs = STEPS // (sync_every // n_frags)
-    assert [o["step"] for o in out] == [1 + syncs] * 2  # the step-0 round + one step per sync
+    assert steps[-1] == syncs
+    assert [o["steps"] for o in out] == [steps] * 2
+    assert [o["entered"]["step"] for o in out] == [0, 0]  # after the start round
+    assert [o["batches"] for o in out] == [2 * syncs] * 2  # 2 replicas per committed sync
     # The trajectory really moved the global parameters away from the initial ones.
     assert all(not torch.allclose(g, i) for g, i in zip(glob, init_params(1)))
 
@@ -199,19 +230,21 @@ def test_failed_sync_restores_backup_and_next_sync_works(lighthouse, who: str) -
     out = run_pair(lighthouse, n_frags, sync_every, delay, 0.0, hook=hook)
     for r in (0, 1) if who == "both" else (1,):
         step, params, backup = seen[r][1]  # round 2 (fragment 1) failed
-        assert step == 2, seen[r]
+        assert step == 1, seen[r]
         assert all(torch.equal(p, b) for p, b in zip(params, backup))  # restored from the backup
         init = init_params(1)[2:]
         assert all(torch.equal(b, i) for b, i in zip(backup, init))  # fragment 1's last commit: step 0
         # the next round committed (the lone failer healed to its peer's step 3 first)
-        assert seen[r][2][0] == (3 if who == "both" else 4)
+        assert seen[r][2][0] == (2 if who == "both" else 3)
     if who == "one":
-        assert seen[0][1][0] == 3  # the peer's round 2 committed
+        assert seen[0][1][0] == 2  # the peer's round 2 committed
     if who == "both":
-        local, glob = reference(n_frags, sync_every, delay, 0.0, init_params(1), fail_rounds={1})
+        steps: list[int] = []
+        local, glob = reference(n_frags, sync_every, delay, 0.0, init_params(1), fail_rounds={1}, steps=steps)
         assert_matches(out, local, glob)
         assert not torch.allclose(glob[0], before[1][0])  # the failure changed the trajectory
-        assert [o["step"] for o in out] == [6, 6]
+        assert [o["step"] for o in out] == [5, 5]
+        assert [o["steps"] for o in out] == [steps] * 2
     else:
         assert out[0]["step"] == out[1]["step"]
         for a, b in zip(out[0]["glob"], out[1]["glob"]):
@@ -219,18 +252,20 @@ def test_failed_sync_restores_backup_and_next_sync_works(lighthouse, who: str) -
 
 
 def test_step0_heal_with_delay_is_not_racy(lighthouse) -> None:
-    """Replicas with different initial weights, init_sync, a sync delay: on entering,
-    replica 1 already holds replica 0's step-0 parameters (model and global backup),
-    and the whole run equals the reference started from replica 0's initialisation."""
+    """Replicas with different initial weights, init_sync, a sync delay: when the first
+    inner step begins (after the start round), replica 1 holds replica 0's step-0
+    parameters (model and global backup), and the whole run equals the reference
+    started from replica 0's initialisation, replica 1's first gradient having been
+    taken at its own initialisation (it was computed before the start round)."""
     out = run_pair(lighthouse, 2, 4, 1, 0.0, seeds=(1, 2))
     a, b = init_params(1), init_params(2)
     assert not torch.allclose(a[0], b[0])
     for r in range(2):
         e = out[r]["entered"]
-        assert e["step"] == 1
+        assert e["step"] == 0
         assert all(torch.equal(p, q) for p, q in zip(e["model"], a))
         assert all(torch.equal(p, q) for p, q in zip(e["backup"], a))
-    local, glob = reference(2, 4, 1, 0.0, a)
+    local, glob = reference(2, 4, 1, 0.0, a, first_grad_at=[a, b])
     assert_matches(out, local, glob)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import queue
 import socket
 import time
@@ -25,7 +26,7 @@ from rallypoint._proto import torchft_pb2_grpc as pb_grpc
 from rallypoint.lighthouse.client import LivenessStream
 from rallypoint.lighthouse.server import LighthouseServer
 
-from conftest import ask_concurrently, assert_one_quorum, replica_row, wait_until
+from conftest import ask_concurrently, assert_one_quorum, listening_ports, replica_row, wait_until
 
 TOKEN = "test-token-123"
 HTTP_TIMEOUT = 5.0
@@ -330,22 +331,31 @@ def test_http_routes_and_token(lighthouse, client):
         assert "rallypoint_lighthouse_quorum_id" in r.text
 
 
-def test_failed_http_start_releases_grpc_port(lighthouse):
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads this process's sockets from /proc (Linux)")
+def test_failed_http_start_releases_grpc_port(lighthouse, monkeypatch):
+    import rallypoint.lighthouse.server as lh_server
+
+    bound: list[int] = []
+    real_server = lh_server.grpc.aio.server
+
+    def recording_server(*a, **kw):
+        server = real_server(*a, **kw)
+        add = server.add_insecure_port
+        server.add_insecure_port = lambda addr: bound.append(add(addr)) or bound[-1]  # type: ignore[method-assign]
+        return server
+
+    monkeypatch.setattr(lh_server.grpc.aio, "server", recording_server)
     busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     busy.bind(("127.0.0.1", 0))
     busy.listen()
-    # A port the OS just handed out (not a fixed one), free again for the lighthouse.
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    probe.bind(("127.0.0.1", 0))
-    grpc_port = probe.getsockname()[1]
-    probe.close()
     try:
         with pytest.raises(OSError, match="in use"):
-            lighthouse(bind=f"127.0.0.1:{grpc_port}", http_bind=f"127.0.0.1:{busy.getsockname()[1]}")
+            lighthouse(bind="127.0.0.1:0", http_bind=f"127.0.0.1:{busy.getsockname()[1]}")
     finally:
         busy.close()
-    # The gRPC port it had bound is free again: a lighthouse can take it.
-    assert lighthouse(bind=f"127.0.0.1:{grpc_port}").port == grpc_port
+    # It had bound a gRPC port (port 0: the OS chose one) and no longer listens on it.
+    assert len(bound) == 1 and bound[0] > 0
+    assert bound[0] not in listening_ports()
 
 
 # ----------------------------------------------------------------------- kill

@@ -133,9 +133,9 @@ def test_single_replica_in_process_errors_retries_and_state(lighthouse_factory, 
 
 
 def test_two_ranks_of_one_group_share_the_server(lighthouse_factory) -> None:
-    """Group rank 0 owns the store and the ManagerServer; rank 1 finds it through the
-    store (MASTER_ADDR/MASTER_PORT); both ranks' votes make the commit."""
-    import socket
+    """Both ranks connect to the group's store, hosted by the caller (as torchrun's agent
+    does); group rank 0 runs the ManagerServer and rank 1 finds it through the store;
+    both ranks' votes make the commit."""
     import threading
     from datetime import timedelta
 
@@ -145,9 +145,10 @@ def test_two_ranks_of_one_group_share_the_server(lighthouse_factory) -> None:
     from rallypoint.process_groups import ProcessGroupGloo
 
     lh = lighthouse_factory(min_replicas=1, join_timeout_ms=100)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        store_port = s.getsockname()[1]
+    from torch.distributed import TCPStore
+
+    host_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the launcher's part
+    store_port = host_store.port
     results: dict[int, Any] = {}
 
     def rank_main(rank: int) -> None:

@@ -242,17 +242,16 @@ def test_groups_of_different_sizes_are_refused_clearly(lighthouse) -> None:
     """A one-rank group and a two-rank group in one quorum cannot train together (group
     rank 1 has no peer): every rank gets a ValueError naming both groups and sizes,
     instead of hanging in configure until a misleading quorum timeout."""
-    import socket
-
     import torch
 
     from rallypoint.manager import Manager
     from rallypoint.process_groups import ProcessGroupGloo
 
     lh = lighthouse(min_replicas=2, join_timeout_ms=5000)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from torch.distributed import TCPStore
+
+    host_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the launcher's part
+    port = host_store.port
     outcome: dict[str, Any] = {}
 
     def run(name: str, rank: int, world: int, store_port: int | None) -> None:

@@ -109,8 +109,10 @@ class Fragment:
         return {"original_parameters": dict(self.backup), "outer_optimizer": self._outer.state_dict()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Adopt a peer's global state; the local model restarts from it, since local
-        progress made from another global value is not a valid pseudo-gradient."""
+        """Adopt a peer's global state and outer optimizer state. The local parameters
+        are the model's, healed with the user's state (the sender's local values), so
+        the healed replica's pseudo-gradient this round repeats the sender's, as in
+        torchft 0.2.0."""
         got = sd["original_parameters"]
         missing = set(self.backup) - set(got)
         if missing:
@@ -119,7 +121,6 @@ class Fragment:
             for name in self.backup:
                 self.backup[name].copy_(got[name])
         self._outer.load_state_dict(sd["outer_optimizer"])
-        self.restore_global()
 
     def register(self) -> None:
         self._manager.register_state_dict_fn(self.key, self.load_state_dict, self.state_dict)

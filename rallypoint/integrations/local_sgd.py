@@ -20,9 +20,9 @@ DiLoCo / Streaming DiLoCo
     The model is split into ``len(model_fragments)`` fragments; each keeps its *global*
     parameters ``G`` (a backup, CPU by default, pinned where CUDA exists) and an outer
     optimizer. With ``H = sync_every // len(model_fragments)`` one fragment is synced
-    every ``H`` inner steps, in turn: round ``k`` syncs fragment ``(k - 1) % n`` where
-    ``k`` is the manager's step (the step-0 start round below makes the first regular
-    round step 1), so replicas that healed agree on the turn. A round of fragment ``f``:
+    every ``H`` inner steps, in turn: the round at manager step ``k`` syncs fragment
+    ``k % n`` (as torchft 0.2.0 does; the start round below is not a step), so replicas
+    that healed agree on the turn. A round of fragment ``f``:
 
     1. after inner step ``H - fragment_sync_delay``: ``manager.start_quorum()`` (apart from the
        start round below, the only place a quorum runs) and the pseudo-gradient ``Δ = G_f - L_f`` (``L`` the local,
@@ -49,22 +49,33 @@ DiLoCo / Streaming DiLoCo
 Healing
     Each fragment registers ``StreamingDiLoCoFragment_<i>`` with
     ``manager.register_state_dict_fn``: its global parameters and its outer optimizer
-    state. A replica that is behind receives them at a round's quorum and restarts its
-    local parameters of every fragment from the received global ones; it then takes part
-    in that round with a zero pseudo-gradient (so that round's mean is over all
-    participants, the healed one contributing no progress).
+    state. A replica that is behind receives them at a round's quorum together with the
+    user's registered state (the model and inner optimizer as the sender has them), and
+    takes part in that round: its pseudo-gradient repeats the sender's, exactly as in
+    torchft 0.2.0 (whose numbers ``tests/test_torchft_integ.py`` checks). The model's
+    parameters must therefore be part of the registered user state, as torchft requires.
 
 Step-0 start round
-    On entering the context at manager step 0, every replica runs one round without an
-    outer step: a quorum (with ``init_sync`` every non-primary replica receives the
-    primary's global state, i.e. its initial parameters), a one-element allreduce (so
-    the primary keeps serving its state until the healing peers have it) and a commit.
-    With ``init_sync=False`` nothing is copied: give every replica the same seed. All replicas
-    therefore start their first inner step from the primary's step-0 parameters (in
-    torchft 0.2.0 the first quorum only happens at the first sync, after each replica
-    trained from its own initialisation). A replica that starts at step 0 while the
+    When the first inner step begins at manager step 0 (the optimizer's step pre-hook,
+    not ``__enter__``: a user's ``state_dict`` callback may use the object ``__enter__``
+    returns, as torchft's trainer does), every replica runs one round without an outer
+    step: a quorum (with ``init_sync`` every non-primary replica receives the primary's
+    state, i.e. its initial parameters), a one-element allreduce (so the primary keeps
+    serving its state until the healing peers have it) and a commit. All replicas
+    therefore train from the primary's step-0 parameters (in torchft 0.2.0 the first
+    quorum only happens at the first sync, after each replica trained a whole round from
+    its own initialisation). That first inner step applies the gradient the replica
+    computed before it, on its own initial parameters; with ``init_sync=False`` nothing
+    is copied: give every replica the same seed. The round is a setup round, not a
+    training step: the manager keeps it as a step on the wire (where peers compare
+    steps) but ``current_step()`` and ``batches_committed()`` leave it out, so both
+    count committed syncs as torchft does. A replica that starts at step 0 while the
     others are already past it (a restart, or a new replica) finds a quorum at step > 0:
-    it heals and takes part in that running round as described above.
+    it heals and takes part in that running round when its first inner step begins, and
+    that inner step is dropped (its gradient was taken on the parameters the heal
+    replaced), so the replica's loop sees the joined round end as its peers' loops do.
+    torchft's replica first trains ``H - fragment_sync_delay`` inner steps from its stale
+    initialisation, which the heal then overwrites.
 """
 
 from __future__ import annotations
@@ -226,6 +237,7 @@ class DiLoCo(_InnerStepHook):
         self._local_step = 0
         self._pending: Fragment | None = None  # the fragment whose exchange is in flight
         self._started = False
+        self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor]] = []  # see _drop_this_step
         self._hooks: list[RemovableHandle] = []
         self._fragments = [
             Fragment(
@@ -241,20 +253,46 @@ class DiLoCo(_InnerStepHook):
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> "DiLoCo":
-        if not self._started:
-            self._started = True
-            if self._manager.current_step() == 0:
-                self._start_round()
+        # The start round runs when the first inner step begins, not here: a user's
+        # state_dict callback may use the object this returns (torchft's own trainer
+        # asserts ``self.diloco`` is set), and the start round serves that state.
+        self._hooks.append(self._local_optimizer.register_step_pre_hook(self._step_pre_hook))
         self._hook_inner_steps()
         return self
+
+    def _step_pre_hook(self, _opt: optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if self._started:
+            return
+        self._started = True
+        # The wire step (setup rounds included): 0 only in a job nobody has synced in yet.
+        if self._manager.current_step() + getattr(self._manager, "_setup_rounds", 0) == 0:
+            if self._start_round() == "joined":
+                self._drop_this_step()
+
+    def _drop_this_step(self) -> None:
+        """Make the inner step about to run a no-op, ending the round just joined: its
+        gradient was taken on the stale parameters the heal replaced (optimizers skip
+        parameters without ``.grad``; the gradients are put back after the step). The
+        user's loop then sees the joined round's step right after it, as its peers did
+        after their sync, so everyone leaves a ``while current_step() < N`` loop alike."""
+        self._stashed_grads = []
+        for group in self._local_optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._stashed_grads.append((p, p.grad))
+                    p.grad = None
+        self._local_step = -1  # the post-hook of this step makes it 0: a fresh round
 
     # ------------------------------------------------------------------ schedule
     def _fragment(self) -> Fragment:
         """This round's fragment: a function of the manager's step, which all replicas
         of the quorum share (a healed one receives it)."""
-        return self._fragments[(self._manager.current_step() - 1) % len(self._fragments)]
+        return self._fragments[self._manager.current_step() % len(self._fragments)]
 
     def _step_post_hook(self, _opt: optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        for p, g in self._stashed_grads:
+            p.grad = g
+        self._stashed_grads = []
         self._local_step += 1
         if self._local_step == self._every - self._delay:
             self._manager.start_quorum()
@@ -270,34 +308,38 @@ class DiLoCo(_InnerStepHook):
             log.debug("DiLoCo: fragment %d sync committed=%s, manager step %d", frag.index, committed,
                       self._manager.current_step())
 
-    def _start_round(self) -> None:
-        """The step-0 round (see the module docstring): everyone at step 0 agrees on the
-        primary's initial global state and commits step 0 without an outer step; a
-        replica that finds the others past step 0 joins their running round."""
+    def _start_round(self) -> str:
+        """The step-0 start round (see the module docstring): everyone at step 0 agrees on
+        the primary's initial state and commits a setup round, which the manager does not
+        count as a step; a replica that finds the others past step 0 joins their running
+        round instead."""
         for attempt in range(1, START_ROUND_ATTEMPTS + 1):
             for f in self._fragments:
                 f.save_global()  # the parameters as of entering: what a peer would heal from
             self._manager.start_quorum()
-            if self._manager.current_step() > 0:
-                # Healed into a running job: take part in the round the others are in,
-                # with a zero pseudo-gradient (local == the global state just received).
+            if self._manager.current_step() > 0 or getattr(self._manager, "_setup_rounds", 0) > 0:
+                # Healed into a running job: take part in the round the others are in.
                 frag = self._fragment()
                 frag.prepare()
                 committed = frag.perform()
-                log.info("DiLoCo: joined a running job at step %d (fragment %d, committed=%s)",
+                log.info("DiLoCo: joined a running job at step %d (fragment %d, committed=%s); this inner "
+                         "step's gradient, taken on the replaced parameters, is dropped",
                          self._manager.current_step(), frag.index, committed)
-                return
+                return "joined"
             # A collective before the commit: a replica that serves its state must not
             # withdraw it (should_commit does) before the healing peer fetched it; the
             # peer joins this allreduce only after its heal was applied.
             self._manager.allreduce(torch.zeros(1)).wait()
             if self._manager.should_commit():
+                count = getattr(self._manager, "_count_setup_round", None)
+                if count is not None:
+                    count()
                 for f in self._fragments:
                     f.restore_global()
-                log.info("DiLoCo: step-0 round committed; starting from the agreed global parameters")
-                return
-            log.warning("DiLoCo: step-0 round failed (attempt %d/%d); retrying", attempt, START_ROUND_ATTEMPTS)
-        raise RuntimeError(f"DiLoCo: the step-0 round failed {START_ROUND_ATTEMPTS} times; see the manager's errors")
+                log.info("DiLoCo: start round committed; starting from the agreed global parameters")
+                return "started"
+            log.warning("DiLoCo: start round failed (attempt %d/%d); retrying", attempt, START_ROUND_ATTEMPTS)
+        raise RuntimeError(f"DiLoCo: the start round failed {START_ROUND_ATTEMPTS} times; see the manager's errors")
 
 
 __all__ = ["DiLoCo", "LocalSGD"]

@@ -34,7 +34,10 @@ log = logging.getLogger("rallypoint.lighthouse")
 
 DEFAULT_BIND = "[::]:29510"
 DEFAULT_HTTP_PORT = 29511
-DEFAULT_JOIN_TIMEOUT_MS = 60_000
+DEFAULT_JOIN_TIMEOUT_MS = 60_000  # the `rallypoint lighthouse` command's (torchft_lighthouse's)
+# The embedded LighthouseServer's, as torchft's Python binding (torchft._torchft.LighthouseServer):
+# a lighthouse embedded in a script or a test waits 100 ms for healthy stragglers, not a minute.
+EMBEDDED_JOIN_TIMEOUT_MS = 100
 DEFAULT_HEARTBEAT_TIMEOUT_MS = 5_000
 # A stream must say hello promptly, or it is a confused client holding a slot.
 HELLO_TIMEOUT_S = 10.0
@@ -283,7 +286,8 @@ class LighthouseServer:
     """A lighthouse running in a background thread (torchft's constructor, plus ours).
 
     ``state`` is ``":memory:"`` by default here (embedding in tests and jobs); the
-    ``rallypoint lighthouse`` command defaults to a file. ``http_bind`` enables the
+    ``rallypoint lighthouse`` command defaults to a file. ``join_timeout_ms`` defaults to
+    100 here, as in torchft's ``LighthouseServer`` binding (the command's default is 60000). ``http_bind`` enables the
     dashboard/status/metrics app (``None``: off). Raises at construction if the port is
     taken or the state file is held by another lighthouse.
     """
@@ -304,7 +308,7 @@ class LighthouseServer:
     ) -> None:
         self._options = Options(
             min_replicas=min_replicas,
-            join_timeout=(join_timeout_ms if join_timeout_ms is not None else DEFAULT_JOIN_TIMEOUT_MS) / 1000,
+            join_timeout=(join_timeout_ms if join_timeout_ms is not None else EMBEDDED_JOIN_TIMEOUT_MS) / 1000,
             heartbeat_timeout=(heartbeat_timeout_ms if heartbeat_timeout_ms is not None else DEFAULT_HEARTBEAT_TIMEOUT_MS)
             / 1000,
         )

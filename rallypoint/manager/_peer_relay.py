@@ -22,7 +22,6 @@ from torch.distributed import DistNetworkError, TCPStore
 log = logging.getLogger("rallypoint.manager")
 
 _PREFIX = "rallypoint/peer_down"
-_COUNTER = f"{_PREFIX}/count"
 #: One blocking wait on the store; torch logs a line when a wait times out, so keep it long.
 _WAIT = timedelta(seconds=60)
 
@@ -40,8 +39,12 @@ class PeerDownRelay:
         group_rank: int,
         on_peer_down: Callable[[str, str], None],
         connect_timeout: timedelta,
+        prefix: str = "",
     ) -> None:
         self._group_rank = group_rank
+        # Keys live under the incarnation's prefix, so a restarted group never reads a
+        # notice (or wake-up) of its previous incarnation in a store that outlived it.
+        self._key = f"{prefix}/peer_down" if prefix else _PREFIX
         self._on_peer_down = on_peer_down
         # Connections of their own: a TCPStore client serializes its calls, so the
         # listener's long wait must not hold up anyone else's (its own wake-up included).
@@ -57,12 +60,12 @@ class PeerDownRelay:
 
     def _append(self, entry: dict[str, object]) -> None:
         with self._lock:
-            n = self._writer.add(_COUNTER, 1)
-            self._writer.set(f"{_PREFIX}/{n}", json.dumps(entry))
+            n = self._writer.add(f"{self._key}/count", 1)
+            self._writer.set(f"{self._key}/{n}", json.dumps(entry))
 
     def start(self) -> None:
         """Listen for notices published from now on (ranks other than 0)."""
-        first = self._store.add(_COUNTER, 0) + 1
+        first = self._store.add(f"{self._key}/count", 0) + 1
         self._thread = threading.Thread(
             target=self._listen, args=(first,), name=f"rallypoint-peer-relay-{self._group_rank}", daemon=True
         )
@@ -70,12 +73,12 @@ class PeerDownRelay:
 
     def _listen(self, n: int) -> None:
         while not self._closed.is_set():
-            key = f"{_PREFIX}/{n}"
+            key = f"{self._key}/{n}"
             try:
                 self._store.wait([key], _WAIT)
                 entry = json.loads(self._store.get(key))
             except DistNetworkError:
-                # Rank 0 (the store's host) is gone: the whole replica group is going down.
+                # The store's host (rank 0, or the launcher) is gone: the group is going down.
                 if not self._closed.is_set():
                     log.info("group rank %d: peer-down relay lost the group store; stopping it", self._group_rank)
                 return

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import socket
 import threading
 import uuid
@@ -45,12 +46,13 @@ from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
 import torch
-from torch.distributed import ReduceOp, TCPStore
+from torch.distributed import DistNetworkError, DistStoreError, PrefixStore, ReduceOp
 
 from rallypoint.manager._config import ReplicaLog as _ReplicaLog, WorldSizeMode, env as _env, td as _td
 from rallypoint.manager._failfast import FailFast
 from rallypoint.manager._heal import Healer
 from rallypoint.manager._peer_relay import PeerDownRelay
+from rallypoint.manager._store import open_store as _open_store, plan_store as _plan_store, store_prefix as _store_prefix
 from rallypoint.manager._work import DoneWork, ManagedWork
 from rallypoint.manager.client import ManagerClient
 from rallypoint.manager.recovery import QuorumResult
@@ -61,6 +63,11 @@ MANAGER_ADDR_KEY = "manager_addr"
 REPLICA_ID_KEY = "replica_id"
 
 log = logging.getLogger("rallypoint.manager")
+
+
+# torchft 0.2 reports a quorum timeout with its gRPC status text; callers (and torchft's
+# own tests) match it, so rallypoint's timeout messages carry the same words.
+TORCHFT_TIMEOUT_STATUS = 'status: Cancelled, message: "Timeout expired"'
 
 
 class Manager(FailFast):
@@ -127,7 +134,8 @@ class Manager(FailFast):
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
 
-        self._step = 0
+        self._step = 0  # committed rounds, as exchanged with peers (setup rounds included)
+        self._setup_rounds = 0  # of those, rounds that were no training step (see _count_setup_round)
         self._batches_committed = 0
         self._commit_failures = 0
         self._quorum_id = -1
@@ -183,18 +191,12 @@ class Manager(FailFast):
         heartbeat_interval: timedelta,
         quorum_retries: int,
     ) -> None:
-        store_host = _env(store_addr, "MASTER_ADDR") or hostname
-        sport = _env(store_port, "MASTER_PORT")
+        plan = _plan_store(store_addr, store_port, hostname, os.environ)
         is_master = self._group_rank == 0
-        if sport is None and not is_master:
-            raise ValueError("MASTER_PORT (store_port) is required for group ranks other than 0")
-        self._store = TCPStore(
-            host_name=store_host,
-            port=int(sport or 0),
-            is_master=is_master,
-            wait_for_workers=False,
-            timeout=self._connect_timeout,
-        )
+        raw = _open_store(plan, self._group_rank, self._group_world_size, self._connect_timeout, self._log)
+        self._store_host, self._store_port = plan.host, int(raw.port)
+        prefix = _store_prefix(os.environ)
+        self._store = PrefixStore(prefix, raw)
         if is_master:
             lh = _env(lighthouse_addr, "RALLYPOINT_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE")
             if lh is None:
@@ -210,7 +212,7 @@ class Manager(FailFast):
                 lighthouse_addr=lh,
                 hostname=hostname,
                 bind=f"0.0.0.0:{mport}",
-                store_addr=f"{hostname}:{self._store.port}",
+                store_addr=f"{plan.advertise}:{self._store_port}",
                 world_size=self._group_world_size,
                 heartbeat_interval=heartbeat_interval,
                 connect_timeout=self._connect_timeout,
@@ -219,8 +221,15 @@ class Manager(FailFast):
             )
             self._store.set(MANAGER_ADDR_KEY, self._server.address())
             self._store.set(REPLICA_ID_KEY, rid)
-        addr = self._store.get(MANAGER_ADDR_KEY).decode()
-        self._replica_id = self._store.get(REPLICA_ID_KEY).decode()
+        try:
+            addr = self._store.get(MANAGER_ADDR_KEY).decode()
+            self._replica_id = self._store.get(REPLICA_ID_KEY).decode()
+        except (DistStoreError, DistNetworkError) as e:
+            raise TimeoutError(
+                f"group rank {self._group_rank}: group rank 0 did not publish its manager address in the store "
+                f"{plan.host}:{plan.port} (keys under {prefix}/) within {self._connect_timeout.total_seconds():.0f}s; "
+                "is group rank 0 running, with the same store and the same TORCHELASTIC_RESTART_COUNT?"
+            ) from e
         self._log.extra["replica_id"] = self._replica_id  # type: ignore[index]
         if self._server is not None:
             from rallypoint.manager.server import LocalManagerClient
@@ -229,11 +238,11 @@ class Manager(FailFast):
         else:
             self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
         if self._group_world_size > 1:
-            self._relay = PeerDownRelay(store_host, self._store.port, self._group_rank, self._on_peer_down,
-                                        self._connect_timeout)
+            self._relay = PeerDownRelay(self._store_host, self._store_port, self._group_rank, self._on_peer_down,
+                                        self._connect_timeout, prefix=prefix)
             if not is_master:
                 self._relay.start()
-        self._log.info("manager ready: server %s, store %s:%d", addr, store_host, self._store.port)
+        self._log.info("manager ready: server %s, store %s:%d", addr, self._store_host, self._store_port)
 
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
@@ -250,11 +259,28 @@ class Manager(FailFast):
             return {"user": {k: fn() for k, fn in self._user_state_dicts.items()}, "torchft": self.state_dict()}
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self._step, "batches_committed": self._batches_committed}
+        """``step`` (what :meth:`current_step` says) and ``batches_committed``, as in
+        torchft; ``setup_rounds`` only when a setup round was committed (a torchft
+        Manager ignores the extra key)."""
+        sd = {"step": self.current_step(), "batches_committed": self._batches_committed}
+        if self._setup_rounds:
+            sd["setup_rounds"] = self._setup_rounds
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._step = int(state_dict["step"])
+        setup = int(state_dict.get("setup_rounds", 0))
+        self._step = int(state_dict["step"]) + setup
+        self._setup_rounds = setup
         self._batches_committed = int(state_dict["batches_committed"])
+
+    def _count_setup_round(self) -> None:
+        """The round :meth:`should_commit` just committed set the replicas up rather
+        than trained (DiLoCo's start round, which makes every replica begin from the
+        primary's parameters). It stays a step on the wire, where peers compare steps
+        to decide who heals, but :meth:`current_step` and :meth:`batches_committed`
+        leave it out, so they count training steps as torchft does."""
+        self._setup_rounds += 1
+        self._batches_committed -= self._participating_world_size
 
     # ------------------------------------------------------------------ quorum
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
@@ -322,8 +348,9 @@ class Manager(FailFast):
             elif isinstance(e, TimeoutError):
                 self._quorum_error = TimeoutError(
                     f"replica {self._replica_id} (group rank {self._group_rank}): no quorum formed for step "
-                    f"{self._step} within {timeout.total_seconds():.1f}s (lighthouse {self._lighthouse_addr or 'via group rank 0'}; "
-                    f"are at least min_replicas replica groups running and reaching it?): {e}"
+                    f"{self._step} within {timeout.total_seconds():g}s (lighthouse {self._lighthouse_addr or 'via group rank 0'}; "
+                    f"are at least min_replicas replica groups running and reaching it?): {e} "
+                    f"({TORCHFT_TIMEOUT_STATUS})"
                 )
             self.report_error(e)
             return
@@ -519,7 +546,8 @@ class Manager(FailFast):
 
     # ------------------------------------------------------------------ queries
     def current_step(self) -> int:
-        return self._step
+        """Committed training steps (a setup round is not one; see _count_setup_round)."""
+        return self._step - self._setup_rounds
 
     def batches_committed(self) -> int:
         return self._batches_committed

@@ -1,0 +1,1 @@
+from rallypoint.integrations.data import DistributedSampler  # noqa: F401

@@ -1,0 +1,1 @@
+from rallypoint.integrations.ddp import DistributedDataParallel  # noqa: F401

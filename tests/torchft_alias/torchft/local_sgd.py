@@ -1,0 +1,1 @@
+from rallypoint.integrations.local_sgd import DiLoCo, LocalSGD  # noqa: F401

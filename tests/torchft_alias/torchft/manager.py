@@ -1,0 +1,1 @@
+from rallypoint.manager.manager import Manager, WorldSizeMode  # noqa: F401

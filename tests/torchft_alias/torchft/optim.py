@@ -1,0 +1,1 @@
+from rallypoint.integrations.optim import OptimizerWrapper  # noqa: F401
