@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from rallypoint._net.version import __version__
 
 # public name -> "module:attribute"; filled in as the torch-side components land.
 _LAZY: dict[str, str] = {

@@ -71,7 +71,13 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
     from rallypoint.lighthouse.server import LighthouseServer
     from rallypoint.lighthouse.state import StateCorruptError, StateLockedError
 
-    token = args.token if args.token is not None else os.environ.get("RALLYPOINT_TOKEN") or None
+    from rallypoint._net.auth import job_token
+
+    try:
+        token = job_token(args.token)
+    except ValueError as e:
+        print(f"rallypoint lighthouse: {e}", file=sys.stderr)
+        return 2
     http_bind = None if str(args.http_bind).lower() in ("off", "none", "") else args.http_bind
     try:
         server = LighthouseServer(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 from datetime import timedelta
@@ -19,26 +18,20 @@ import grpc
 
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
-from rallypoint.lighthouse import addr as addrs
+from rallypoint._net import addr as addrs
+from rallypoint._net.auth import bearer_metadata, job_token
+from rallypoint._net.rpc import channel_options, seconds, translate_rpc_error
 from rallypoint.lighthouse.quorum import Member, Quorum
 from rallypoint.lighthouse.validate import member_from_pb
 
 log = logging.getLogger("rallypoint.lighthouse.client")
 
-TOKEN_ENV = "RALLYPOINT_TOKEN"
-
-
-def seconds(t: float | timedelta) -> float:
-    """``timedelta`` or float seconds -> float seconds (every client accepts both)."""
-    return t.total_seconds() if isinstance(t, timedelta) else float(t)
-
-
 grpc_target = addrs.grpc_target
 
 
 def _metadata(token: str | None) -> list[tuple[str, str]] | None:
-    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-    return [("authorization", f"Bearer {token}")] if token else None
+    """The call metadata of the job token (the argument, else RALLYPOINT_TOKEN)."""
+    return bearer_metadata(job_token(token))
 
 
 def quorum_from_pb(msg: pb.Quorum) -> Quorum:
@@ -59,7 +52,7 @@ class LighthouseClient:
         self._target = addrs.grpc_target(addr)
         self._connect_timeout = seconds(connect_timeout)
         self._metadata = _metadata(token)
-        self._channel = grpc.insecure_channel(self._target)
+        self._channel = grpc.insecure_channel(self._target, options=channel_options())
         try:
             grpc.channel_ready_future(self._channel).result(timeout=self._connect_timeout)
         except grpc.FutureTimeoutError:
@@ -155,22 +148,6 @@ class LighthouseClient:
         self.close()
 
 
-def translate_rpc_error(e: grpc.RpcError, what: str, timeout: float, timeout_hint: str = "") -> Exception:
-    """A gRPC failure as the Python exception a caller can act on, naming ``what``."""
-    code = e.code() if hasattr(e, "code") else None
-    detail = e.details() if hasattr(e, "details") else str(e)
-    # torchft's servers enforce the deadline themselves and answer CANCELLED
-    # "Timeout expired", racing our own DEADLINE_EXCEEDED: both mean a timeout.
-    timed_out = code == grpc.StatusCode.CANCELLED and "timeout expired" in (detail or "").lower()
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED or timed_out:
-        return TimeoutError(f"{what} timed out after {timeout:.1f}s{timeout_hint}: {detail}")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(f"{what} was rejected: {detail}")
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return PermissionError(f"{what} was refused: {detail}")
-    return ConnectionError(f"{what} failed ({code.name if code else 'error'}): {detail}")
-
-
 def _translate(e: grpc.RpcError, what: str, timeout: float) -> Exception:
     """For quorum calls only: their timeout means no quorum formed."""
     return translate_rpc_error(e, what, timeout, " (no quorum formed in time)")
@@ -213,7 +190,7 @@ class LivenessStream:
         self._lock = threading.Lock()
         self.unsupported = False
         self.welcome: rpb.AttachWelcome | None = None
-        self._channel = grpc.insecure_channel(self._target)
+        self._channel = grpc.insecure_channel(self._target, options=channel_options())
         self._attach = self._channel.stream_stream(
             "/rallypoint.RallypointLighthouse/Attach",
             request_serializer=rpb.AttachRequest.SerializeToString,

@@ -33,7 +33,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from rallypoint.lighthouse import addr as addrs
+from rallypoint._net import addr as addrs
 from rallypoint.lighthouse.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 logger = logging.getLogger("rallypoint.lighthouse.http")

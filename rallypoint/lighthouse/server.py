@@ -12,7 +12,6 @@ in a background thread with its own event loop, mirroring torchft's
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import threading
@@ -20,10 +19,12 @@ from typing import Any
 
 import grpc
 
-from rallypoint import __version__
+from rallypoint._net import __version__
+from rallypoint._net.auth import AUTH_HINT, TokenInterceptor, job_token
+from rallypoint._net.rpc import server_options
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
-from rallypoint.lighthouse import addr as addrs
+from rallypoint._net import addr as addrs
 from rallypoint.lighthouse import validate
 from rallypoint.lighthouse.core import LighthouseCore, ReplicaDead, _Attachment
 from rallypoint.lighthouse.metrics import LighthouseMetrics
@@ -43,47 +44,10 @@ DEFAULT_HEARTBEAT_TIMEOUT_MS = 5_000
 HELLO_TIMEOUT_S = 10.0
 KILL_TIMEOUT_S = 10.0
 
-AUTH_HINT = (
-    "missing or wrong bearer token: pass gRPC metadata 'authorization: Bearer <token>' "
-    "(set RALLYPOINT_TOKEN for rallypoint clients; it must match the lighthouse's --token)"
-)
-
-_GRPC_OPTIONS = [
-    # Without this, gRPC on Linux lets a second server bind the same port silently.
-    ("grpc.so_reuseport", 0),
-    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-]
-
 
 def _raw(payload: Any) -> bytes:
     """Responses pre-serialized once per quorum pass through; others serialize."""
     return payload if isinstance(payload, bytes) else payload.SerializeToString()
-
-
-class _Auth(grpc.aio.ServerInterceptor):
-    """Refuses every call without ``authorization: Bearer <token>``."""
-
-    def __init__(self, token: str, metrics: LighthouseMetrics) -> None:
-        self._expected = f"Bearer {token}".encode()
-        self._metrics = metrics
-
-    async def intercept_service(self, continuation, details):  # type: ignore[override]
-        got = ""
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                got = value if isinstance(value, str) else value.decode("utf-8", "replace")
-        if hmac.compare_digest(got.encode(), self._expected):
-            return await continuation(details)
-        self._metrics.rejected("unauthenticated")
-        log.warning("refused %s: %s", details.method, "no token" if not got else "wrong token")
-
-        async def deny(_request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, AUTH_HINT)
-
-        if details.method.endswith("/Attach"):
-            return grpc.stream_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 class _Service:
@@ -318,7 +282,7 @@ class LighthouseServer:
         self._http_bind = http_bind
         self._tick = quorum_tick_ms / 1000 if quorum_tick_ms else None
         self._forget_after = forget_after_ms / 1000 if forget_after_ms else None
-        self._token = token or None
+        self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN; empty is an error
         self._state_path = state
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -366,8 +330,8 @@ class LighthouseServer:
         try:
             core = LighthouseCore(self._options, store, metrics, quorum_tick=self._tick, forget_after=self._forget_after)
             self.core = core
-            interceptors = [_Auth(self._token, metrics)] if self._token else []
-            server = grpc.aio.server(options=_GRPC_OPTIONS, interceptors=interceptors)
+            interceptors = [TokenInterceptor(self._token, lambda _m, _w: metrics.rejected("unauthenticated"))] if self._token else []
+            server = grpc.aio.server(options=server_options(), interceptors=interceptors)
             view = _View(core, metrics, self._token)
             server.add_generic_rpc_handlers(_handlers(_Service(core, metrics, view)))
             try:

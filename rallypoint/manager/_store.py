@@ -18,8 +18,7 @@ from datetime import timedelta
 
 from torch.distributed import DistNetworkError, DistStoreError, TCPStore
 
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]", "ip6-localhost"})
-
+from rallypoint._net.addr import is_loopback
 
 @dataclass(frozen=True)
 class StorePlan:
@@ -55,7 +54,7 @@ def plan_store(store_addr: str | None, store_port: int | str | None, hostname: s
     if port == 0:
         return StorePlan(host=hostname, port=0, hosted=True, advertise=hostname)
     host = host or "127.0.0.1"  # a port without an address: a store on this host
-    advertise = hostname if host.lower() in LOOPBACK_HOSTS else host
+    advertise = hostname if is_loopback(host) else host
     return StorePlan(host=host, port=port, hosted=False, advertise=advertise)
 
 
@@ -103,4 +102,4 @@ def open_store(plan: StorePlan, group_rank: int, group_world_size: int, timeout:
     return store
 
 
-__all__ = ["LOOPBACK_HOSTS", "StorePlan", "open_store", "plan_store", "store_prefix"]
+__all__ = ["StorePlan", "open_store", "plan_store", "store_prefix"]

@@ -10,19 +10,18 @@ uses it to bound its own lighthouse call). gRPC errors become ``TimeoutError``,
 
 from __future__ import annotations
 
-
 import logging
 from datetime import timedelta
 
 import grpc
 
 from rallypoint._proto import torchft_pb2 as pb
-from rallypoint.lighthouse.client import grpc_target, seconds, translate_rpc_error
+from rallypoint._net.addr import grpc_target
+from rallypoint._net.auth import bearer_metadata, job_token
+from rallypoint._net.rpc import channel_options, seconds, translate_rpc_error
 from rallypoint.manager.recovery import QuorumResult
 
 log = logging.getLogger("rallypoint.manager.client")
-
-
 
 
 def result_from_pb(resp: pb.ManagerQuorumResponse) -> QuorumResult:
@@ -82,14 +81,17 @@ class ManagerClient:
     """Client of a replica group's ``ManagerServer`` (torchft's ``ManagerClient(addr,
     connect_timeout)``). Thread-safe; ``close()`` releases the channel."""
 
-    def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0, *, fail_fast: bool = False) -> None:
-        """``fail_fast``: do not wait for the connection; a call to a peer that refuses it
+    def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0, *, fail_fast: bool = False,
+                 token: str | None = None) -> None:
+        """``token``: the job token sent with every call (default ``RALLYPOINT_TOKEN``).
+        ``fail_fast``: do not wait for the connection; a call to a peer that refuses it
         fails at once instead of after ``connect_timeout`` (for a peer that was alive a
         moment ago, such as a heal source: if it refuses now, it died, and waiting would
         stall the whole quorum)."""
         self.addr = addr
         self._connect_timeout = seconds(connect_timeout)
-        self._channel = grpc.insecure_channel(grpc_target(addr))
+        self._metadata = bearer_metadata(job_token(token))
+        self._channel = grpc.insecure_channel(grpc_target(addr), options=channel_options())
         # Calls made without waiting for readiness fail at once (UNAVAILABLE) when the
         # peer refuses the connection: fail_fast skips this wait and relies on that.
         if not fail_fast:
@@ -137,7 +139,7 @@ class ManagerClient:
         secs = seconds(timeout)
         req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync)
         try:
-            resp = self._quorum_call(req, timeout=secs)
+            resp = self._quorum_call(req, timeout=secs, metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._translate(e, f"quorum for group rank {group_rank} at step {step}", secs) from None
         return result_from_pb(resp)
@@ -146,7 +148,8 @@ class ManagerClient:
         """The checkpoint metadata group rank ``rank`` sent with its last quorum request."""
         secs = seconds(timeout)
         try:
-            return self._metadata_call(pb.CheckpointMetadataRequest(rank=rank), timeout=secs).checkpoint_metadata
+            return self._metadata_call(pb.CheckpointMetadataRequest(rank=rank), timeout=secs,
+                                       metadata=self._metadata).checkpoint_metadata
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise KeyError(f"manager at {self.addr} has no checkpoint metadata for rank {rank}: {e.details()}") from None
@@ -157,7 +160,7 @@ class ManagerClient:
         secs = seconds(timeout)
         req = pb.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit)
         try:
-            return self._commit_call(req, timeout=secs).should_commit
+            return self._commit_call(req, timeout=secs, metadata=self._metadata).should_commit
         except grpc.RpcError as e:
             raise self._translate(e, f"should_commit of group rank {group_rank} at step {step}", secs) from None
 
@@ -165,7 +168,7 @@ class ManagerClient:
         """Ask the manager server to end its replica's process (with a logged reason)."""
         secs = seconds(timeout)
         try:
-            self._kill_call(pb.KillRequest(msg=msg), timeout=secs)
+            self._kill_call(pb.KillRequest(msg=msg), timeout=secs, metadata=self._metadata)
         except grpc.RpcError as e:
             # The process may die before the answer gets out: that is success.
             if e.code() != grpc.StatusCode.UNAVAILABLE:

@@ -33,8 +33,9 @@ from typing import Any, Callable
 import grpc
 
 from rallypoint._proto import torchft_pb2 as pb
+from rallypoint._net.auth import TokenInterceptor, job_token
+from rallypoint._net.rpc import seconds, server_options
 from rallypoint.lighthouse.client import LighthouseClient, LivenessStream, Quorum
-from rallypoint.lighthouse.client import seconds
 from rallypoint.manager.client import quorum_request, result_to_pb
 from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
 
@@ -44,12 +45,6 @@ log = logging.getLogger("rallypoint.manager")
 DEFAULT_QUORUM_TIMEOUT_S = 60.0
 # Decided should_commit rounds remembered, so a retried vote gets the same answer.
 _DECIDED_KEEP = 16
-
-_GRPC_OPTIONS = [
-    ("grpc.so_reuseport", 0),
-    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
-    ("grpc.max_send_message_length", 8 * 1024 * 1024),
-]
 
 
 def _raw(payload: Any) -> bytes:
@@ -145,7 +140,7 @@ class ManagerServer:
         self._connect_timeout = seconds(connect_timeout)
         self._quorum_timeout = seconds(quorum_timeout) if quorum_timeout is not None else None
         self._quorum_retries = max(0, int(quorum_retries))
-        self._token = token
+        self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN; guards this server too
         self._on_kill = on_kill or _default_kill
         self._on_peer_down = on_peer_down
 
@@ -157,7 +152,7 @@ class ManagerServer:
         self._inflight: set[_QuorumRound] = set()
         self._tasks: set[asyncio.Task] = set()
 
-        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout=self._connect_timeout, token=token)
+        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout=self._connect_timeout, token=self._token)
         self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"rallypoint-manager-{replica_id}")
         self._stopped = threading.Event()
         self._ready = threading.Event()
@@ -182,7 +177,7 @@ class ManagerServer:
                     lighthouse_addr,
                     replica_id,
                     self.address(),
-                    token=token,
+                    token=self._token,
                     ping_interval=max(self._heartbeat_interval, 0.05),
                     on_peer_down=self._peer_down,
                 )
@@ -206,7 +201,10 @@ class ManagerServer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        server = grpc.aio.server(options=_GRPC_OPTIONS)
+        # Every ManagerService method needs the job token when one is set: Kill ends the
+        # replica and ShouldCommit votes decide whether a step commits.
+        interceptors = [TokenInterceptor(self._token)] if self._token else []
+        server = grpc.aio.server(options=server_options(), interceptors=interceptors)
         server.add_generic_rpc_handlers([self._handlers()])
         try:
             try:

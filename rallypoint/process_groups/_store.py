@@ -17,6 +17,8 @@ from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
+from rallypoint._net.addr import split_host_port
+
 logger = logging.getLogger("rallypoint.process_groups.store")
 
 
@@ -39,25 +41,14 @@ def parse_store_addr(addr: str) -> StoreAddr:
     Raises ValueError naming the address, so a bad manager answer is obvious.
     """
     a = addr.strip()
-    if a.startswith("["):
-        end = a.find("]")
-        if end < 0 or a[end + 1 : end + 2] != ":":
-            raise ValueError(f"bad store address {addr!r}: expected [ipv6]:port/prefix")
-        host = a[1:end]
-        port_s, _, prefix = a[end + 2 :].partition("/")
-    else:
-        hostport, _, prefix = a.partition("/")
-        host, sep, port_s = hostport.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"bad store address {addr!r}: expected host:port/prefix")
-        if ":" in host:
-            raise ValueError(f"bad store address {addr!r}: put IPv6 hosts in brackets, e.g. [::1]:29500/prefix")
+    # The prefix follows the first "/" after the port (an IPv6 host is bracketed).
+    start = a.find("]") + 1 if a.startswith("[") else 0
+    slash = a.find("/", start)
+    hostport, prefix = (a, "") if slash < 0 else (a[:slash], a[slash + 1 :])
     try:
-        port = int(port_s)
-    except ValueError:
-        raise ValueError(f"bad port in store address {addr!r}") from None
-    if not 0 < port <= 65535:
-        raise ValueError(f"port out of range in store address {addr!r}")
+        host, port = split_host_port(hostport, dialable=True)
+    except ValueError as e:
+        raise ValueError(f"bad store address {addr!r} (expected host:port/prefix): {e}") from None
     return StoreAddr(host, port, prefix.strip("/"))
 
 

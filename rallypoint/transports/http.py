@@ -59,6 +59,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from rallypoint._net.auth import job_token
 from rallypoint.transports import wire
 from rallypoint.transports._http_util import (
     SourceRefused,
@@ -162,7 +163,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         bind: ``host:port`` to listen on (port 0: any free port).
         advertise_host: host name put in :meth:`metadata` (default: the bound address, or
             this machine's host name for a wildcard bind).
-        token: bearer token required to fetch, and sent when fetching.
+        token: bearer token required to fetch, and sent when fetching (default:
+            ``RALLYPOINT_TOKEN``, the job's credential; an empty one is an error).
         max_chunk_bytes: upper bound of one range, so a retry re-fetches little.
         retries: extra attempts per failed range (against the same source).
         publish_wait: how long a receiver keeps asking a source that serves nothing yet
@@ -194,7 +196,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self.copies_state = bool(copy_on_send)
         self._publish_wait = None if publish_wait is None else publish_wait.total_seconds()
         self._num_chunks = max(1, int(num_chunks))
-        self._token = token
+        self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN (the job's credential)
         self._max_chunk = max_chunk_bytes
         self._retries = retries
         self._block = block

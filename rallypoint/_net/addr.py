@@ -1,5 +1,6 @@
 """Address spellings accepted everywhere: ``host:port``, ``http://host:port``,
-``[v6]:port``. gRPC wants the bare ``host:port`` target; users paste either."""
+``[v6]:port`` (every rallypoint server, client and store address is parsed here).
+gRPC wants the bare ``host:port`` target; users paste either."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ def grpc_target(addr: str) -> str:
     return join_host_port(host, port)
 
 
-def split_host_port(addr: str) -> tuple[str, int]:
-    """Split ``host:port`` / ``[v6]:port``; raises ValueError naming the address."""
+def split_host_port(addr: str, dialable: bool = False) -> tuple[str, int]:
+    """Split ``host:port`` / ``[v6]:port``; raises ValueError naming the address.
+    Port 0 means "any port" in a bind address; ``dialable``: an address to connect
+    to, where it is an error."""
     a = addr
     for prefix in ("http://", "https://", "grpc://"):
         if a.startswith(prefix):
@@ -42,8 +45,8 @@ def split_host_port(addr: str) -> tuple[str, int]:
         port = int(port_s)
     except ValueError:
         raise ValueError(f"bad port in address {addr!r}") from None
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port out of range in address {addr!r}")
+    if not (1 if dialable else 0) <= port <= 65535:
+        raise ValueError(f"port out of range in address {addr!r}" + (" (0 is not a port to connect to)" if port == 0 else ""))
     return host, port
 
 
@@ -56,7 +59,8 @@ def is_wildcard(host: str) -> bool:
 
 
 def is_loopback(host: str) -> bool:
-    return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
+    h = host.lower()
+    return h in ("localhost", "::1", "[::1]", "ip6-localhost") or h.startswith("127.")
 
 
 def advertised_host(bind_host: str) -> str:

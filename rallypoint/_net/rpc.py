@@ -1,0 +1,57 @@
+"""gRPC options, size limits and error translation shared by every rallypoint server
+and client (the lighthouse's and the managers')."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import grpc
+
+#: The largest message a rallypoint gRPC server accepts. The largest legal request is a
+#: quorum request with the data blob at its limit; 8 MiB leaves ample room.
+MAX_RECEIVE_BYTES = 8 * 1024 * 1024
+#: The largest message a server sends: a lighthouse status or quorum of many replicas.
+MAX_SEND_BYTES = 64 * 1024 * 1024
+
+
+def server_options(max_send: int = MAX_SEND_BYTES) -> list[tuple[str, int]]:
+    """Options for every ``grpc.aio.server`` rallypoint starts. ``so_reuseport`` is off:
+    two servers must never share a port by accident."""
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+        ("grpc.max_send_message_length", max_send),
+    ]
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """Options for every channel rallypoint's clients open: they accept what a server may send."""
+    return [
+        ("grpc.max_receive_message_length", MAX_SEND_BYTES),
+        ("grpc.max_send_message_length", MAX_RECEIVE_BYTES),
+    ]
+
+
+def seconds(t: float | timedelta) -> float:
+    """``timedelta`` or float seconds -> float seconds (every client accepts both)."""
+    return t.total_seconds() if isinstance(t, timedelta) else float(t)
+
+
+def translate_rpc_error(e: grpc.RpcError, what: str, timeout: float, timeout_hint: str = "") -> Exception:
+    """A gRPC failure as the Python exception a caller can act on, naming ``what``."""
+    code = e.code() if hasattr(e, "code") else None
+    detail = e.details() if hasattr(e, "details") else str(e)
+    # torchft's servers enforce the deadline themselves and answer CANCELLED
+    # "Timeout expired", racing our own DEADLINE_EXCEEDED: both mean a timeout.
+    timed_out = code == grpc.StatusCode.CANCELLED and "timeout expired" in (detail or "").lower()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or timed_out:
+        return TimeoutError(f"{what} timed out after {timeout:.1f}s{timeout_hint}: {detail}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(f"{what} was rejected: {detail}")
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return PermissionError(f"{what} was refused: {detail}")
+    return ConnectionError(f"{what} failed ({code.name if code else 'error'}): {detail}")
+
+
+__all__ = ["MAX_RECEIVE_BYTES", "MAX_SEND_BYTES", "channel_options", "seconds", "server_options",
+           "translate_rpc_error"]
