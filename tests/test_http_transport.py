@@ -462,6 +462,42 @@ def test_header_over_the_limit_is_refused(transports: Callable[..., HTTPTranspor
         dst.recv_checkpoint(0, src.metadata(), 1, TEN)
 
 
+def test_state_over_the_receivers_limit_is_refused_before_anything_is_written(
+    transports: Callable[..., HTTPTransport],
+) -> None:
+    """The header's declared size is checked against max_state_bytes before the receiver
+    allocates or writes anything: an in-place target stays as it was."""
+    src, dst = transports(), transports(max_state_bytes=1000)
+    sd = make_state(14)
+    src.send_checkpoint([1], 1, sd, TEN)
+    target = zeros_like_state(sd)
+    with pytest.raises(TransferError, match="over this receiver's limit of 1000 bytes"):
+        dst.recv_checkpoint(0, src.metadata(), 1, TEN, into=target, in_place=True)
+    assert_same(target, zeros_like_state(sd))
+
+
+def test_max_state_bytes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rallypoint.transports._http_util import default_max_state_bytes
+
+    monkeypatch.setenv("RALLYPOINT_MAX_STATE_BYTES", "12345")
+    assert default_max_state_bytes() == 12345
+    monkeypatch.setenv("RALLYPOINT_MAX_STATE_BYTES", "lots")
+    with pytest.raises(ValueError, match="not a number"):
+        default_max_state_bytes()
+    monkeypatch.delenv("RALLYPOINT_MAX_STATE_BYTES")
+    assert default_max_state_bytes() > 1 << 20  # physical memory
+
+
+def test_tiny_blocks_are_refused_on_the_network() -> None:
+    """A checksum block below 4 KiB would make a small header cost much memory on the
+    receiver: a sender cannot be built with one, and a receiver refuses such a header."""
+    with pytest.raises(ValueError, match="below the 4096-byte minimum"):
+        HTTPTransport(TEN, bind="127.0.0.1:0", block=16)
+    raw = wire.encode(make_state(15), block=16).header
+    with pytest.raises(wire.WireError, match="below the minimum of 4096"):
+        wire.parse_header(bytes(raw)[wire.PREFIX_BYTES:], min_block=wire.MIN_NETWORK_BLOCK)
+
+
 def test_in_place_receive_of_a_corrupt_source_says_the_target_was_written(
     transports: Callable[..., HTTPTransport],
 ) -> None:

@@ -272,6 +272,22 @@ def test_forgotten_replicas_keep_status_small(lighthouse, stub):
     assert size < 4096, f"status is {size} bytes after forgetting {n} replicas"
 
 
+def test_replicas_that_left_leave_nothing_behind(lighthouse, client):
+    """Replicas that asked for a quorum (address and step recorded) and then left (each
+    restart is a new id) are forgotten entirely after forget_after, not only from status."""
+    lh = lighthouse(min_replicas=1, heartbeat_timeout_ms=100, forget_after_ms=300)
+    c = client(lh)
+    for i in range(20):
+        rid = f"restart-{i}"
+        assert list(c.quorum(rid, 5.0).replica_ids) == [rid]
+        s = LivenessStream(lh.local_address(), rid, address=f"http://127.0.0.1:{1000 + i}")
+        assert s.start(5.0)
+        s.close("restarting")
+    assert lh.core._addresses and lh.core._steps  # held while the replicas are remembered
+    wait_until(lambda: not lh.core._addresses and not lh.core._steps, 10.0,
+               interval=0.05, what="per-replica state forgotten")
+
+
 # ----------------------------------------------------------------------- auth
 
 

@@ -257,6 +257,29 @@ def test_should_commit_votes(cluster: Cluster) -> None:
     assert isinstance(stale[0], ConnectionError) and "superseded by step 6" in str(stale[0])
 
 
+def test_a_false_vote_stands(cluster: Cluster) -> None:
+    """Rank 1 votes False for step 7; a second vote True for rank 1 and step 7 (a retry
+    or a forgery) arriving before rank 0 voted does not turn the step into a commit."""
+    lh = cluster.lighthouse(min_replicas=1)
+    s = cluster.server(lh.address(), "stubborn")
+    c = [cluster.client(s.address()) for _ in range(2)]
+    first: list[Any] = []
+    t = threading.Thread(target=lambda: first.append(concurrently(lambda: c[1].should_commit(1, 7, False, timeout=10.0))[0]))
+    t.start()
+    deadline = time.monotonic() + 5.0
+    while 7 not in s._commits:  # rank 1's False has arrived (read-only peek)
+        assert time.monotonic() < deadline, "the step-7 vote never reached the server"
+        time.sleep(0.01)
+    # On the server's loop, in this order: rank 1's second vote (True), then rank 0's.
+    import asyncio
+
+    second = asyncio.run_coroutine_threadsafe(s._vote(1, 7, True), s._loop)
+    rank0 = asyncio.run_coroutine_threadsafe(s._vote(0, 7, True), s._loop)
+    assert (second.result(10), rank0.result(10)) == (False, False)
+    t.join(JOIN_S)
+    assert first == [False]
+
+
 # ----------------------------------------------------------------------- kill
 def test_kill_calls_on_kill_with_the_message(cluster: Cluster) -> None:
     lh = cluster.lighthouse(min_replicas=1)

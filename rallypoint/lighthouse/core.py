@@ -39,13 +39,28 @@ class ReplicaDead(Exception):
     """Raised into a pending Quorum request whose replica was declared dead."""
 
 
+#: Pushes waiting for one replica's stream. A replica that lets this many pile up is
+#: not reading: its stream is dropped rather than buffered without bound.
+OUTBOX_LIMIT = 1024
+
+
 @dataclass
 class _Attachment:
-    """One open Attach stream; ``outbox`` carries pushes to that replica."""
+    """One open Attach stream; ``outbox`` carries pushes to that replica; ``overflow`` is
+    set when they exceeded :data:`OUTBOX_LIMIT` (the stream handler then drops it)."""
 
     replica_id: str
     address: str
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(maxsize=OUTBOX_LIMIT))
+    overflow: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def push(self, msg: object) -> None:
+        try:
+            self.outbox.put_nowait(msg)
+        except asyncio.QueueFull:
+            if not self.overflow.is_set():
+                log.warning("[%s] liveness stream has %d unread notices: dropping it", self.replica_id, OUTBOX_LIMIT)
+            self.overflow.set()
 
 
 def quorum_to_pb(quorum: q.Quorum) -> pb.Quorum:
@@ -237,7 +252,7 @@ class LighthouseCore:
             log.warning("[%s] replica is gone (%s): %s", rid, kind, reason)
         notice = rpb.AttachResponse(peer_down=rpb.PeerDown(replica_id=rid, reason=f"{kind}: {reason}"))
         for other in self._attached.values():
-            other.outbox.put_nowait(notice)
+            other.push(notice)
         self._update_gauges()
         self._schedule()
 
@@ -365,6 +380,12 @@ class LighthouseCore:
         dead_limit = now - self._forget_after
         for rid in [r for r, t in self._dead.items() if t < dead_limit]:
             del self._dead[rid]
+        # Whatever else is held per replica goes with it: a replica known nowhere else
+        # (every restart is a new id) must not leave its address and step behind.
+        known = set(self.heartbeats) | set(self.pending) | set(self._attached) | set(self._dead)
+        for held in (self._addresses, self._steps):
+            for rid in [r for r in held if r not in known]:
+                del held[rid]
         self._update_gauges()
 
     def refresh_gauges(self) -> None:

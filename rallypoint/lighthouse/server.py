@@ -21,12 +21,13 @@ import grpc
 
 from rallypoint._net import __version__
 from rallypoint._net.auth import AUTH_HINT, TokenInterceptor, job_token
+from rallypoint._net.limits import MAX_REASON_BYTES, clip
 from rallypoint._net.rpc import server_options
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net import addr as addrs
 from rallypoint.lighthouse import validate
-from rallypoint.lighthouse.core import LighthouseCore, ReplicaDead, _Attachment
+from rallypoint.lighthouse.core import OUTBOX_LIMIT, LighthouseCore, ReplicaDead, _Attachment
 from rallypoint.lighthouse.metrics import LighthouseMetrics
 from rallypoint.lighthouse.quorum import Options
 from rallypoint.lighthouse.state import StateStore
@@ -66,11 +67,12 @@ class _Service:
     ) -> rpb.KillReplicaResponse:
         try:
             rid = validate.replica_id(request.replica_id)
+            why = validate.reason(request.reason)
         except validate.InvalidRequest as e:
             await self._invalid(context, e)
             raise AssertionError("unreachable")
         try:
-            address = await self.view.kill(rid, request.reason or "killed via the lighthouse")
+            address = await self.view.kill(rid, why or "killed via the lighthouse")
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown replica {rid!r}: the lighthouse has no manager address for it")
             raise AssertionError("unreachable")
@@ -120,6 +122,7 @@ class _Service:
             return
         try:
             rid = validate.replica_id(first.hello.replica_id, "hello.replica_id")
+            validate.address(first.hello.address, "hello.address")
         except validate.InvalidRequest as e:
             await self._invalid(context, e)
             return
@@ -128,11 +131,17 @@ class _Service:
         clean, reason = False, "connection lost"
         reader = asyncio.ensure_future(self._read(context, att))
         push: asyncio.Future | None = None
+        overflow: asyncio.Future | None = None
         try:
             await context.write(self.core.welcome())
+            overflow = asyncio.ensure_future(att.overflow.wait())
             while True:
                 push = asyncio.ensure_future(att.outbox.get())
-                done, _ = await asyncio.wait({reader, push}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({reader, push, overflow}, return_when=asyncio.FIRST_COMPLETED)
+                if overflow in done:
+                    push.cancel()
+                    reason = f"dropped: more than {OUTBOX_LIMIT} notices unread (the replica is not reading its stream)"
+                    break
                 if push in done:
                     await context.write(push.result())
                     continue
@@ -149,6 +158,8 @@ class _Service:
             reader.cancel()
             if push is not None:
                 push.cancel()
+            if overflow is not None:
+                overflow.cancel()
             self.core.detach(att, clean=clean, reason=reason)
 
     async def _read(self, context: grpc.aio.ServicerContext, att: _Attachment) -> tuple[bool, str]:
@@ -160,7 +171,8 @@ class _Service:
             if msg is grpc.aio.EOF:
                 return False, "stream closed without a goodbye"
             if msg.HasField("goodbye"):
-                return True, msg.goodbye.reason or "goodbye"
+                # Forwarded to every other replica as a PeerDown: bounded first.
+                return True, clip(msg.goodbye.reason, MAX_REASON_BYTES) or "goodbye"
             self.core.heartbeat(att.replica_id)
 
 

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 
+from rallypoint._net.limits import MAX_ADDRESS_BYTES, MAX_DATA_BYTES, MAX_REASON_BYTES, MAX_REPLICA_ID_BYTES, utf8_len
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint.lighthouse.quorum import Member
-
-MAX_REPLICA_ID_BYTES = 256
-MAX_DATA_BYTES = 64 * 1024
-MAX_ADDRESS_BYTES = 1024
 # Steps and counters beyond 2**62 are certainly garbage (and break JSON consumers).
 MAX_COUNTER = 2**62
 
@@ -26,7 +23,7 @@ def replica_id(value: str, field: str = "replica_id") -> str:
     """A replica id is 1..256 bytes of printable text (it appears in logs and URLs)."""
     if not value:
         raise InvalidRequest(f"{field} is empty: every replica needs a stable, non-empty id")
-    size = len(value.encode("utf-8"))
+    size = utf8_len(value)
     if size > MAX_REPLICA_ID_BYTES:
         raise InvalidRequest(f"{field} is {size} bytes long; the limit is {MAX_REPLICA_ID_BYTES}")
     if not value.isprintable():
@@ -42,11 +39,23 @@ def _counter(value: int, field: str) -> int:
     return value
 
 
-def _address(value: str, field: str) -> str:
-    if len(value.encode("utf-8")) > MAX_ADDRESS_BYTES:
+def address(value: str, field: str) -> str:
+    """An address (``host:port``, a URL) of at most 1 KiB of printable text."""
+    if utf8_len(value) > MAX_ADDRESS_BYTES:
         raise InvalidRequest(f"{field} is longer than {MAX_ADDRESS_BYTES} bytes")
     if value and not value.isprintable():
-        raise InvalidRequest(f"{field} {value!r} contains non-printable characters")
+        raise InvalidRequest(f"{field} {value[:80]!r} contains non-printable characters")
+    return value
+
+
+_address = address
+
+
+def reason(value: str, field: str = "reason") -> str:
+    """A kill reason: at most 1 KiB (it is logged, recorded and forwarded)."""
+    size = utf8_len(value)
+    if size > MAX_REASON_BYTES:
+        raise InvalidRequest(f"{field} is {size} bytes; the limit is {MAX_REASON_BYTES}")
     return value
 
 
@@ -54,7 +63,7 @@ def data(value: str, field: str = "requester.data") -> str:
     """``data`` is empty or a JSON document of at most 64 KiB."""
     if not value:
         return value
-    size = len(value.encode("utf-8"))
+    size = utf8_len(value)
     if size > MAX_DATA_BYTES:
         raise InvalidRequest(f"{field} is {size} bytes; the limit is {MAX_DATA_BYTES} (64 KiB)")
     try:

@@ -34,6 +34,7 @@ import grpc
 
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net.auth import TokenInterceptor, job_token
+from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES, MAX_REASON_BYTES, utf8_len
 from rallypoint._net.rpc import seconds, server_options
 from rallypoint.lighthouse.client import LighthouseClient, LivenessStream, Quorum
 from rallypoint.manager.client import quorum_request, result_to_pb
@@ -272,9 +273,19 @@ class ManagerServer:
             f"(group world size {self.world_size}); check the ranks' WORLD_SIZE",
         )
 
+    async def _too_long(self, context: grpc.aio.ServicerContext, field: str, value: str, limit: int) -> None:
+        """INVALID_ARGUMENT naming ``field`` if ``value`` exceeds ``limit`` UTF-8 bytes."""
+        size = utf8_len(value)
+        if size > limit:
+            log.warning("[%s] refused a request from %s: %s is %d bytes (limit %d)",
+                        self.replica_id, context.peer(), field, size, limit)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{field} is {size} bytes; the limit is {limit}")
+
     async def _quorum(self, req: pb.ManagerQuorumRequest, context: grpc.aio.ServicerContext) -> pb.ManagerQuorumResponse:
         if not 0 <= req.group_rank < self.world_size:
             await self._bad_rank(context, req.group_rank, "quorum")
+        await self._too_long(context, "checkpoint_metadata", req.checkpoint_metadata, MAX_CHECKPOINT_METADATA_BYTES)
         try:
             result = await self._join_quorum(req, context.time_remaining())
         except _Failure as f:
@@ -438,7 +449,9 @@ class ManagerServer:
         rnd = self._commits.get(step)
         if rnd is None:
             rnd = self._commits[step] = _CommitRound()
-        rnd.votes[rank] = vote
+        # A False stands: a later True for the same rank and step (a retry, or a forged
+        # vote) cannot turn a failed step into a committed one.
+        rnd.votes[rank] = rnd.votes.get(rank, True) and vote
         if len(rnd.votes) == self.world_size:
             decision = all(rnd.votes.values())
             del self._commits[step]
@@ -468,6 +481,7 @@ class ManagerServer:
             raise
 
     async def _kill(self, req: pb.KillRequest, context: grpc.aio.ServicerContext) -> pb.KillResponse:
+        await self._too_long(context, "msg", req.msg, MAX_REASON_BYTES)
         log.warning("[%s] got Kill: %s", self.replica_id, req.msg)
         assert self._loop is not None
         await self._loop.run_in_executor(self._pool, self._on_kill, req.msg)

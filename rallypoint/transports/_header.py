@@ -29,6 +29,9 @@ VERSION = 1
 DEFAULT_BLOCK = 1 << 20
 #: Largest header accepted by default (4,000 tiny tensors need well under 1 MiB).
 DEFAULT_MAX_HEADER_BYTES = 64 << 20
+#: Smallest checksum block a network receiver accepts: every block costs a checksum and a
+#: bookkeeping entry, so a tiny block would let a small header cost much memory.
+MIN_NETWORK_BLOCK = 4096
 #: Deepest container nesting accepted, both ways (guards recursion and cyclic inputs).
 MAX_DEPTH = 200
 _SCALARS = (int, float, str, bool, type(None))
@@ -120,8 +123,10 @@ def _int(x: Any, what: str, key: str | None = None) -> int:
     return x
 
 
-def parse_header(raw: bytes | bytearray | memoryview) -> Header:
-    """Parse and validate the JSON header (without the 16-byte prefix)."""
+def parse_header(raw: bytes | bytearray | memoryview, min_block: int = 1, max_data_bytes: int | None = None) -> Header:
+    """Parse and validate the JSON header (without the 16-byte prefix). ``min_block`` and
+    ``max_data_bytes`` are checked before anything is built from the tensor list, so a
+    hostile header is refused before it costs memory."""
     try:
         doc = json.loads(bytes(raw))
     except (ValueError, RecursionError) as exc:
@@ -135,6 +140,11 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
     extra = doc.get("extra")
     if block == 0 or not isinstance(extra, dict) or not isinstance(doc.get("tensors"), list):
         raise _bad("block, extra or tensors missing")
+    if block < min_block:
+        raise _bad(f"block of {block} bytes is below the minimum of {min_block}")
+    if max_data_bytes is not None and data_bytes > max_data_bytes:
+        raise WireError(f"the state is {data_bytes} bytes, over this receiver's limit of {max_data_bytes} bytes "
+                        "(max_state_bytes / RALLYPOINT_MAX_STATE_BYTES)")
     specs = doc["tensors"]
     paths: dict[int, tuple[Any, ...]] = {}
     tree = doc.get("tree")
@@ -241,8 +251,9 @@ def read_exact(readinto: ReadInto, buf: memoryview, what: str, key: str | None =
         got += k
 
 
-def read_header(readinto: ReadInto, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> Header:
-    """Read the prefix and the header from a stream and validate them."""
+def read_header(readinto: ReadInto, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, min_block: int = 1,
+                max_data_bytes: int | None = None) -> Header:
+    """Read the prefix and the header from a stream and validate them (see :func:`parse_header`)."""
     pre = bytearray(PREFIX_BYTES)
     read_exact(readinto, memoryview(pre), "the header length")
     magic, hlen, hcrc = _PREFIX.unpack(pre)
@@ -254,4 +265,4 @@ def read_header(readinto: ReadInto, max_header_bytes: int = DEFAULT_MAX_HEADER_B
     read_exact(readinto, memoryview(raw), "the header")
     if zlib.crc32(raw) != hcrc:
         raise WireError("header checksum mismatch: the stream is corrupt")
-    return parse_header(raw)
+    return parse_header(raw, min_block, max_data_bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 
@@ -62,3 +63,25 @@ def _timeout(deadline: float) -> httpx.Timeout:
     """Per-call timeouts that never run past the overall deadline."""
     left = max(0.001, deadline - time.monotonic())
     return httpx.Timeout(left, connect=min(left, 10.0))
+
+
+MAX_STATE_ENV = "RALLYPOINT_MAX_STATE_BYTES"
+
+
+def default_max_state_bytes() -> int:
+    """The largest state a receiver accepts unless told otherwise: ``RALLYPOINT_MAX_STATE_BYTES``,
+    else this machine's physical memory (a larger state cannot be a legitimate heal here,
+    and its header is refused before anything is allocated)."""
+    raw = os.environ.get(MAX_STATE_ENV)
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{MAX_STATE_ENV}={raw!r} is not a number of bytes") from None
+        if value <= 0:
+            raise ValueError(f"{MAX_STATE_ENV} must be > 0, got {value}")
+        return value
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 40

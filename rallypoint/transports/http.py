@@ -69,6 +69,7 @@ from rallypoint.transports._http_util import (
     _Fatal,
     _plain_socket,
     _timeout,
+    default_max_state_bytes,
 )
 from rallypoint.transports.base import CheckpointTransport
 
@@ -167,6 +168,8 @@ class HTTPTransport(CheckpointTransport[Any]):
             ``RALLYPOINT_TOKEN``, the job's credential; an empty one is an error).
         max_chunk_bytes: upper bound of one range, so a retry re-fetches little.
         retries: extra attempts per failed range (against the same source).
+        max_state_bytes: the largest state this receiver accepts (checked on the header,
+            before anything is allocated; default :func:`default_max_state_bytes`).
         publish_wait: how long a receiver keeps asking a source that serves nothing yet
             (404) before giving up; capped by the call's timeout. A withdrawn step (410)
             or another step (409) fails at once.
@@ -189,7 +192,11 @@ class HTTPTransport(CheckpointTransport[Any]):
         max_header_bytes: int = wire.DEFAULT_MAX_HEADER_BYTES,
         publish_wait: timedelta | None = None,
         copy_on_send: bool = True,
+        max_state_bytes: int | None = None,
     ) -> None:
+        if block < wire.MIN_NETWORK_BLOCK:
+            raise ValueError(f"block={block} is below the {wire.MIN_NETWORK_BLOCK}-byte minimum receivers accept")
+        self._max_state = max_state_bytes if max_state_bytes is not None else default_max_state_bytes()
         self._timeout = timeout
         #: ``send_checkpoint`` serves a copy (the caller may change its state at once);
         #: off: contiguous CPU tensors are served from their own memory (no extra RAM).
@@ -427,7 +434,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         with httpx.Client(headers=headers, limits=limits, timeout=_timeout(deadline), verify=verify) as client:
             try:
                 raw = self._await_header(client, f"{base}/checkpoint/{step}/header", deadline, where)
-                header = wire.read_header(io.BytesIO(raw).readinto, self._max_header)
+                header = wire.read_header(io.BytesIO(raw).readinto, self._max_header, wire.MIN_NETWORK_BLOCK,
+                                          self._max_state)
             except httpx.TimeoutException as exc:
                 raise TransferTimeout(f"{where}: no header within the timeout ({exc})") from exc
             except httpx.HTTPError as exc:

@@ -87,6 +87,7 @@ from rallypoint.transports._header import (  # noqa: F401 - re-exported: wire is
     _SCALARS,
     DEFAULT_BLOCK,
     DEFAULT_MAX_HEADER_BYTES,
+    MIN_NETWORK_BLOCK,
     FORMAT,
     MAGIC,
     MAX_DEPTH,

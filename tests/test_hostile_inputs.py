@@ -1,0 +1,154 @@
+"""Oversized fields are refused before use and before fan-out (issue 13, part 1): the
+lighthouse and the managers share one table of limits (``rallypoint._net.limits``).
+Each refusal is INVALID_ARGUMENT naming the field, and nothing changes."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import grpc
+import pytest
+
+from conftest import wait_until
+from rallypoint._net.limits import MAX_REASON_BYTES, clip, utf8_len
+from rallypoint._proto import rallypoint_pb2 as rpb
+from rallypoint._proto import torchft_pb2 as pb
+from rallypoint.lighthouse.client import LivenessStream
+from rallypoint.manager.server import ManagerServer
+
+TEN = timedelta(seconds=10)
+BIG = "x" * (5 * 1024 * 1024)  # 5 MiB: more than a client's default 4 MiB receive limit
+
+
+@pytest.mark.parametrize("value, limit, expected", [
+    ("short", 10, "short"),
+    ("x" * 10, 10, "x" * 10),
+    ("é" * 20, 30, None),  # cut on a character boundary
+])
+def test_clip(value: str, limit: int, expected: str | None) -> None:
+    out = clip(value, limit)
+    assert utf8_len(out) <= limit
+    if expected is not None:
+        assert out == expected
+    else:
+        assert out.endswith("…(cut)") and out.startswith("é")
+
+
+def test_a_huge_goodbye_reason_reaches_peers_bounded(lighthouse) -> None:
+    """One client says goodbye with a 5 MiB reason: the PeerDown the lighthouse fans out
+    carries at most 1 KiB of it, and the other replicas' streams stay up."""
+    lh = lighthouse(min_replicas=1)
+    seen: list[tuple[str, str]] = []
+    watcher = LivenessStream(lh.local_address(), "watcher", on_peer_down=lambda rid, why: seen.append((rid, why)))
+    leaver = LivenessStream(lh.local_address(), "leaver")
+    try:
+        assert watcher.start(5.0) and leaver.start(5.0)
+        leaver.close(BIG)
+        wait_until(lambda: seen, 5.0, what="PeerDown for leaver")
+        rid, why = seen[0]
+        assert rid == "leaver" and utf8_len(why) <= MAX_REASON_BYTES + 64 and "(cut)" in why
+        row = next(r for r in lh.status()["replicas"] if r["replica_id"] == "watcher")
+        assert row["attached"] and not row["dead"], row
+    finally:
+        leaver.close()
+        watcher.close()
+
+
+def _lh_stub(address: str):
+    channel = grpc.insecure_channel(address.replace("http://", ""))
+    kill = channel.unary_unary("/rallypoint.RallypointLighthouse/KillReplica",
+                               request_serializer=rpb.KillReplicaRequest.SerializeToString,
+                               response_deserializer=rpb.KillReplicaResponse.FromString)
+    return channel, kill
+
+
+def test_lighthouse_refuses_an_oversized_kill_reason(lighthouse) -> None:
+    lh = lighthouse(min_replicas=1)
+    channel, kill = _lh_stub(lh.local_address())
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            kill(rpb.KillReplicaRequest(replica_id="anyone", reason="r" * (MAX_REASON_BYTES + 1)), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "reason is" in e.value.details() and str(MAX_REASON_BYTES) in e.value.details()
+    finally:
+        channel.close()
+    assert not [ev for ev in lh.core.store.events(limit=100) if ev.kind == "kill"]
+
+
+@pytest.fixture
+def manager_server(lighthouse):
+    lh = lighthouse(min_replicas=1)
+    kills: list[str] = []
+    server = ManagerServer(replica_id="target", lighthouse_addr=lh.address(), hostname="127.0.0.1",
+                           bind="127.0.0.1:0", store_addr="127.0.0.1:29500", world_size=2,
+                           connect_timeout=TEN, on_kill=kills.append)
+    channel = grpc.insecure_channel(server.address().replace("http://", ""))
+    try:
+        yield server, channel, kills
+    finally:
+        channel.close()
+        server.shutdown()
+
+
+def test_manager_refuses_an_oversized_kill_message(manager_server) -> None:
+    _server, channel, kills = manager_server
+    kill = channel.unary_unary("/torchft.ManagerService/Kill", request_serializer=pb.KillRequest.SerializeToString,
+                               response_deserializer=pb.KillResponse.FromString)
+    with pytest.raises(grpc.RpcError) as e:
+        kill(pb.KillRequest(msg=BIG[: 2 * MAX_REASON_BYTES]), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "msg is" in e.value.details()
+    assert kills == []
+
+
+def test_manager_refuses_oversized_checkpoint_metadata(manager_server) -> None:
+    """A Quorum request whose checkpoint address is 8 KiB is refused and stores nothing:
+    CheckpointMetadata for that rank still says it is unknown."""
+    _server, channel, _ = manager_server
+    quorum = channel.unary_unary("/torchft.ManagerService/Quorum",
+                                 request_serializer=pb.ManagerQuorumRequest.SerializeToString,
+                                 response_deserializer=pb.ManagerQuorumResponse.FromString)
+    meta = channel.unary_unary("/torchft.ManagerService/CheckpointMetadata",
+                               request_serializer=pb.CheckpointMetadataRequest.SerializeToString,
+                               response_deserializer=pb.CheckpointMetadataResponse.FromString)
+    with pytest.raises(grpc.RpcError) as e:
+        quorum(pb.ManagerQuorumRequest(group_rank=1, step=0, checkpoint_metadata="h" * 8192), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checkpoint_metadata is" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        meta(pb.CheckpointMetadataRequest(rank=1), timeout=5)
+    assert e.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), e.value
+
+
+def test_outbox_is_bounded() -> None:
+    """Notices for a stream that is not read stop at OUTBOX_LIMIT and mark it for dropping."""
+    import asyncio
+
+    from rallypoint.lighthouse.core import OUTBOX_LIMIT, _Attachment
+
+    async def fill() -> _Attachment:
+        att = _Attachment("slow", "")
+        for i in range(OUTBOX_LIMIT + 500):
+            att.push(i)
+        return att
+
+    att = asyncio.run(fill())
+    assert att.outbox.qsize() == OUTBOX_LIMIT and att.overflow.is_set()
+
+
+def test_an_overflowing_stream_is_dropped(lighthouse) -> None:
+    """When a replica's notices overflow, the lighthouse ends its stream (recorded as a
+    crash with the reason) instead of buffering; the other replicas are unaffected."""
+    lh = lighthouse(min_replicas=1)
+    watcher = LivenessStream(lh.local_address(), "watcher")
+    slow = LivenessStream(lh.local_address(), "slow", reconnect_backoff=(30.0, 30.0))
+    try:
+        assert watcher.start(5.0) and slow.start(5.0)
+        att = lh.core._attached["slow"]
+        lh._loop.call_soon_threadsafe(att.overflow.set)
+        wait_until(lambda: any(e.kind == "crash" and "unread" in e.detail.get("reason", "")
+                               for e in lh.core.store.events(limit=100, replica_id="slow")), 5.0,
+                   what="the overflowing stream dropped")
+        row = next(r for r in lh.status()["replicas"] if r["replica_id"] == "watcher")
+        assert row["attached"] and not row["dead"], row
+    finally:
+        slow.close()
+        watcher.close()
