@@ -152,3 +152,53 @@ def test_an_overflowing_stream_is_dropped(lighthouse) -> None:
     finally:
         slow.close()
         watcher.close()
+
+
+#: Bytes that are not a protobuf message of any type: an invalid wire type, a truncated
+#: varint, a length running past the end, a group that never ends.
+MALFORMED = [b"\xff\xff\xff\xff", b"\x08", b"\x0a\x05ab", b"\x0b", b"\x0a\xff\xff\xff\xff\x0f"]
+LIGHTHOUSE_METHODS = ["/torchft.LighthouseService/Quorum", "/torchft.LighthouseService/Heartbeat",
+                      "/rallypoint.RallypointLighthouse/Status", "/rallypoint.RallypointLighthouse/KillReplica"]
+MANAGER_METHODS = ["/torchft.ManagerService/Quorum", "/torchft.ManagerService/CheckpointMetadata",
+                   "/torchft.ManagerService/ShouldCommit", "/torchft.ManagerService/Kill"]
+
+
+def _raw_calls(channel: grpc.Channel, methods: list[str]) -> None:
+    for method in methods:
+        call = channel.unary_unary(method)  # bytes in, bytes out
+        for payload in MALFORMED:
+            with pytest.raises(grpc.RpcError) as e:
+                call(payload, timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, payload, e.value)
+            assert "is not a valid" in e.value.details(), (method, payload, e.value.details())
+
+
+def test_malformed_bytes_are_invalid_argument_at_the_lighthouse(lighthouse) -> None:
+    lh = lighthouse(min_replicas=1)
+    channel = grpc.insecure_channel(lh.local_address().replace("http://", ""))
+    try:
+        _raw_calls(channel, LIGHTHOUSE_METHODS)
+    finally:
+        channel.close()
+    assert lh.status()["replicas"] == []  # nothing was recorded
+
+
+def test_malformed_bytes_are_invalid_argument_at_a_manager(manager_server) -> None:
+    _server, channel, kills = manager_server
+    _raw_calls(channel, MANAGER_METHODS)
+    assert kills == []
+
+
+def test_deeply_nested_data_is_invalid_argument(lighthouse) -> None:
+    lh = lighthouse(min_replicas=1)
+    channel = grpc.insecure_channel(lh.local_address().replace("http://", ""))
+    quorum = channel.unary_unary("/torchft.LighthouseService/Quorum",
+                                 request_serializer=pb.LighthouseQuorumRequest.SerializeToString,
+                                 response_deserializer=pb.LighthouseQuorumResponse.FromString)
+    deep = "[" * 30_000 + "]" * 30_000  # valid JSON within the 64 KiB limit, too deep to parse
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            quorum(pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="deep", data=deep)), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "requester.data" in e.value.details()
+    finally:
+        channel.close()

@@ -272,10 +272,21 @@ def test_kill_with_right_token() -> None:
     assert len(view.kills) == 2
 
 
-def test_get_routes_open_with_token() -> None:
+def test_reading_routes_need_the_token_when_one_is_set() -> None:
+    """The status lists every manager and store address: with a token, only the
+    dashboard shell and /healthz are open."""
     view = FakeView()
-    for path in ("/", "/status", "/metrics", "/events"):
+    for path in ("/", "/healthz"):
         assert request(view, "GET", path, token=TOKEN).status_code == 200, path
+    for path in ("/status", "/metrics", "/events", "/events?since_id=-"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            r = request(view, "GET", path, token=TOKEN, headers=headers)
+            assert r.status_code == 401, (path, headers, r.status_code)
+            assert TOKEN not in r.text
+        r = request(view, "GET", path, token=TOKEN, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == (422 if "since_id=-" in path else 200), (path, r.status_code, r.text)
+    for path in ("/", "/healthz", "/status", "/metrics", "/events"):  # no token configured: all open
+        assert request(view, "GET", path).status_code == 200, path
 
 
 # ------------------------------------------------------------------ bind parsing
@@ -314,7 +325,7 @@ async def _serve_and_get(bind: str) -> tuple[str, httpx.Response, httpx.Response
         assert service.port > 0
         address = service.address()
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            status = await client.get(f"{address}/status")
+            status = await client.get(f"{address}/status", headers={"Authorization": f"Bearer {TOKEN}"})
             killed = await client.post(
                 f"{address}/replica/job%2Fa%3A1/kill",  # encoded like the dashboard sends it
                 headers={"Authorization": f"Bearer {TOKEN}"},

@@ -338,6 +338,9 @@ def test_http_routes_and_token(lighthouse, client):
         assert r.status_code == 401
         r = http.post("/replica/x/kill", headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 404  # authorized, but no such replica
+        assert http.get("/status").status_code == 401  # the status lists every address
+        assert http.get("/healthz").status_code == 200
+        http.headers["Authorization"] = f"Bearer {TOKEN}"
         r = http.get("/status")
         assert r.status_code == 200
         body = r.json()

@@ -4,6 +4,7 @@ and client (the lighthouse's and the managers')."""
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any, Awaitable, Callable
 
 import grpc
 
@@ -53,5 +54,22 @@ def translate_rpc_error(e: grpc.RpcError, what: str, timeout: float, timeout_hin
     return ConnectionError(f"{what} failed ({code.name if code else 'error'}): {detail}")
 
 
+def unary_handler(handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], request_type: Any,
+                  response_serializer: Callable[[Any], bytes]) -> grpc.RpcMethodHandler:
+    """A unary-unary method handler that parses its request itself, so bytes that are not
+    a valid ``request_type`` (malformed, truncated, nested past protobuf's recursion
+    limit) are INVALID_ARGUMENT naming the message type, not grpc's UNKNOWN."""
+    name = request_type.DESCRIPTOR.full_name
+
+    async def parse_then_handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = request_type.FromString(raw)
+        except Exception as e:  # noqa: BLE001 - DecodeError, RecursionError: all mean "not a valid request"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {name}: {e}"[:500])
+        return await handler(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(parse_then_handle, response_serializer=response_serializer)
+
+
 __all__ = ["MAX_RECEIVE_BYTES", "MAX_SEND_BYTES", "channel_options", "seconds", "server_options",
-           "translate_rpc_error"]
+           "translate_rpc_error", "unary_handler"]

@@ -154,8 +154,10 @@ def _client(request: Request) -> str:
 def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
     """Build the lighthouse's FastAPI app over ``view``.
 
-    ``token``: when set, POST routes need ``Authorization: Bearer <token>``; GET routes
-    are read-only and stay open so dashboards and Prometheus need no secret.
+    ``token``: when set, every route that reveals or changes state (``/status``,
+    ``/events``, ``/metrics``, the kill route) needs ``Authorization: Bearer <token>``:
+    the status lists every manager and store address. Only ``/healthz`` and the
+    dashboard shell (``/``, which asks for the token) stay open.
     The interactive docs (/docs, /redoc) are off: they load scripts from a CDN, and
     lighthouses often run on hosts without internet access.
     """
@@ -190,22 +192,27 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
         """The self-contained dashboard; it polls /status and /events."""
         return HTMLResponse(_dashboard_html(), headers={"Cache-Control": "no-cache"})
 
-    @app.get("/status")
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> JSONResponse:
+        """Liveness for load balancers and probes: reveals nothing."""
+        return JSONResponse({"ok": True}, headers={"Cache-Control": "no-store"})
+
+    @app.get("/status", dependencies=[Depends(require_token)])
     async def status() -> JSONResponse:
         """The view's status snapshot, passed through unchanged."""
         return JSONResponse(view.status(), headers={"Cache-Control": "no-store"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(require_token)])
     async def metrics() -> Response:
         """Prometheus scrape endpoint."""
         return Response(view.metrics(), media_type=METRICS_CONTENT_TYPE)
 
-    @app.get("/events")
+    @app.get("/events", dependencies=[Depends(require_token)])
     async def events(
         limit: int = Query(100, ge=1, le=1000, description="at most this many events"),
         # A string so that an empty "since_id=" (what a form or a naive client sends)
         # means "no filter" instead of a 422; anything non-numeric is still a 422.
-        since_id: str | None = Query(None, pattern=r"^\s*-?\d*\s*$", description="only events after this id"),
+        since_id: str | None = Query(None, pattern=r"^\s*(-?\d{1,18})?\s*$", description="only events after this id"),
         replica_id: str | None = Query(None, description="only events about this replica"),
     ) -> JSONResponse:
         """Recent events from the lighthouse's event log."""

@@ -22,7 +22,7 @@ import grpc
 from rallypoint._net import __version__
 from rallypoint._net.auth import AUTH_HINT, TokenInterceptor, job_token
 from rallypoint._net.limits import MAX_REASON_BYTES, clip
-from rallypoint._net.rpc import server_options
+from rallypoint._net.rpc import server_options, unary_handler
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net import addr as addrs
@@ -180,16 +180,8 @@ def _handlers(service: _Service) -> list[grpc.GenericRpcHandler]:
     lighthouse = grpc.method_handlers_generic_handler(
         "torchft.LighthouseService",
         {
-            "Quorum": grpc.unary_unary_rpc_method_handler(
-                service.quorum,
-                request_deserializer=pb.LighthouseQuorumRequest.FromString,
-                response_serializer=_raw,
-            ),
-            "Heartbeat": grpc.unary_unary_rpc_method_handler(
-                service.heartbeat,
-                request_deserializer=pb.LighthouseHeartbeatRequest.FromString,
-                response_serializer=_raw,
-            ),
+            "Quorum": unary_handler(service.quorum, pb.LighthouseQuorumRequest, _raw),
+            "Heartbeat": unary_handler(service.heartbeat, pb.LighthouseHeartbeatRequest, _raw),
         },
     )
     extension = grpc.method_handlers_generic_handler(
@@ -200,16 +192,8 @@ def _handlers(service: _Service) -> list[grpc.GenericRpcHandler]:
                 request_deserializer=rpb.AttachRequest.FromString,
                 response_serializer=_raw,
             ),
-            "Status": grpc.unary_unary_rpc_method_handler(
-                service.status,
-                request_deserializer=rpb.StatusRequest.FromString,
-                response_serializer=_raw,
-            ),
-            "KillReplica": grpc.unary_unary_rpc_method_handler(
-                service.kill_replica,
-                request_deserializer=rpb.KillReplicaRequest.FromString,
-                response_serializer=_raw,
-            ),
+            "Status": unary_handler(service.status, rpb.StatusRequest, _raw),
+            "KillReplica": unary_handler(service.kill_replica, rpb.KillReplicaRequest, _raw),
         },
     )
     return [lighthouse, extension]

@@ -68,8 +68,8 @@ def data(value: str, field: str = "requester.data") -> str:
         raise InvalidRequest(f"{field} is {size} bytes; the limit is {MAX_DATA_BYTES} (64 KiB)")
     try:
         json.loads(value)
-    except ValueError as e:
-        raise InvalidRequest(f"{field} is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+        raise InvalidRequest(f"{field} is not valid JSON: {str(e)[:200]}") from None
     return value
 
 

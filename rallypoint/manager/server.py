@@ -35,7 +35,7 @@ import grpc
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net.auth import TokenInterceptor, job_token
 from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES, MAX_REASON_BYTES, utf8_len
-from rallypoint._net.rpc import seconds, server_options
+from rallypoint._net.rpc import seconds, server_options, unary_handler
 from rallypoint.lighthouse.client import LighthouseClient, LivenessStream, Quorum
 from rallypoint.manager.client import quorum_request, result_to_pb
 from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
@@ -249,20 +249,10 @@ class ManagerServer:
         return grpc.method_handlers_generic_handler(
             "torchft.ManagerService",
             {
-                "Quorum": grpc.unary_unary_rpc_method_handler(
-                    self._quorum, request_deserializer=pb.ManagerQuorumRequest.FromString, response_serializer=_raw
-                ),
-                "CheckpointMetadata": grpc.unary_unary_rpc_method_handler(
-                    self._checkpoint_metadata,
-                    request_deserializer=pb.CheckpointMetadataRequest.FromString,
-                    response_serializer=_raw,
-                ),
-                "ShouldCommit": grpc.unary_unary_rpc_method_handler(
-                    self._should_commit, request_deserializer=pb.ShouldCommitRequest.FromString, response_serializer=_raw
-                ),
-                "Kill": grpc.unary_unary_rpc_method_handler(
-                    self._kill, request_deserializer=pb.KillRequest.FromString, response_serializer=_raw
-                ),
+                "Quorum": unary_handler(self._quorum, pb.ManagerQuorumRequest, _raw),
+                "CheckpointMetadata": unary_handler(self._checkpoint_metadata, pb.CheckpointMetadataRequest, _raw),
+                "ShouldCommit": unary_handler(self._should_commit, pb.ShouldCommitRequest, _raw),
+                "Kill": unary_handler(self._kill, pb.KillRequest, _raw),
             },
         )
 
