@@ -7,7 +7,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.rallypoint-installed
 PYTEST_ARGS ?=
 
-.PHONY: test demo demo-lighthouse proto bench install clean
+.PHONY: test typecheck demo demo-lighthouse proto bench install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,12 @@ $(STAMP): $(VPY) pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+test: typecheck
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+# The type checker over rallypoint/ (configured in pyproject.toml); part of `make test`.
+typecheck: $(STAMP)
+	$(VPY) -m mypy
 
 # Three replica groups train with DDP; one is SIGKILLed mid-step, restarts, heals.
 demo: $(STAMP)

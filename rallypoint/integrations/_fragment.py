@@ -189,7 +189,7 @@ class Fragment:
                 params[id(q)] = q
         for _, p in self.named:
             params[id(p)] = p
-        stashed = [(q, q.grad) for q in params.values()]
+        stashed: list[tuple[torch.Tensor, torch.Tensor | None]] = [(q, q.grad) for q in params.values()]
         try:
             for q in params.values():
                 q.grad = None
@@ -197,5 +197,5 @@ class Fragment:
                 p.grad = _like_param(p, g)
             self._outer.step()
         finally:
-            for q, g in stashed:
-                q.grad = g
+            for q, saved in stashed:
+                q.grad = saved

@@ -149,7 +149,7 @@ class DistributedSampler(_TorchDistributedSampler):
             dataset=self.dataset, shuffle=self.shuffle, seed=self.seed, epoch=epoch, drop_last=self.drop_last,
             total_size=self.total_size, rank=self.rank, num_replicas=self.num_replicas, num_samples=self.num_samples,
         )
-        indices = list(_TorchDistributedSampler.__iter__(view))  # type: ignore[arg-type]
+        indices: list[int] = list(_TorchDistributedSampler.__iter__(view))  # type: ignore[arg-type]
         self._cache = (epoch, indices)
         return indices
 

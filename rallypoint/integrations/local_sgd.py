@@ -84,7 +84,7 @@ import inspect
 import logging
 import os
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn, optim
@@ -114,7 +114,7 @@ class _InnerStepHook:
         raise NotImplementedError
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+                 tb: TracebackType | None) -> Literal[False]:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -302,10 +302,10 @@ class DiLoCo(_InnerStepHook):
             self._pending = frag
         if self._local_step == self._every:
             self._local_step = 0
-            frag, self._pending = self._pending, None
-            assert frag is not None
-            committed = frag.perform()
-            log.debug("DiLoCo: fragment %d sync committed=%s, manager step %d", frag.index, committed,
+            done, self._pending = self._pending, None
+            assert done is not None
+            committed = done.perform()
+            log.debug("DiLoCo: fragment %d sync committed=%s, manager step %d", done.index, committed,
                       self._manager.current_step())
 
     def _start_round(self) -> str:

@@ -145,16 +145,16 @@ class Optimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optim.load_state_dict(state_dict)
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]  # torch declares a plain attribute
         return self.optim.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]  # torch declares a plain attribute
         return self.optim.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # torch declares a plain attribute
         return self.optim.defaults
 
     def __getattr__(self, name: str) -> Any:

@@ -367,9 +367,9 @@ def _bind_socket(bind: str, host: str, port: int) -> socket.socket:
                 seen.add((family, addr))
                 candidates.append((family, addr, False))
     last: OSError | None = None
-    for family, sockaddr, dual_stack in candidates:
+    for fam, sockaddr, dual_stack in candidates:
         try:
-            return _open_socket(family, sockaddr, dual_stack)
+            return _open_socket(fam, sockaddr, dual_stack)
         except OSError as exc:
             last = exc
             logger.debug("bind %r: %s failed: %s", bind, sockaddr, exc)
@@ -499,7 +499,7 @@ class HttpService:
             return
         timeout = max(0.2, float(timeout))
         # uvicorn's graceful phase: it waits this long for open requests, then cancels them.
-        self._server.config.timeout_graceful_shutdown = max(0.1, timeout / 2)
+        self._server.config.timeout_graceful_shutdown = max(0.1, timeout / 2)  # type: ignore[assignment]  # uvicorn accepts seconds as float
         self._server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout=timeout)

@@ -73,15 +73,15 @@ class FailFast:
             return
         if q is None or replica_id not in q.replica_ids or replica_id == self._replica_id:
             return
-        e = ConnectionError(f"peer replica {replica_id} went down ({reason})")
+        err = ConnectionError(f"peer replica {replica_id} went down ({reason})")
         with self._works_lock:  # see the module docstring for what counts as busy
-            self._lost_peer = (self._round, e)
+            self._lost_peer = (self._round, err)
             busy = (fut is not None and not fut.done()) or self._heal_busy or any(not w.finished() for w in self._works)
         if busy:
-            self._abort(e)
+            self._abort(err)
         else:
             self._log.info("%s after this step's collectives finished; a later collective of quorum %d fails fast",
-                           e, self._quorum_id)
+                           err, self._quorum_id)
 
     def _abort(self, e: Exception) -> None:
         """Record ``e`` and abort the process group once per quorum, so that every

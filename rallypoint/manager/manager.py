@@ -446,7 +446,7 @@ class Manager(FailFast):
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
-                  reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+                  reduce_op: ReduceOp = ReduceOp.AVG) -> Any:  # type: ignore[assignment]  # stubs: RedOpType
         """Sum (``SUM``) or mean (``AVG``) over the participating replicas; returns a work
         with ``wait()``. A healing or spare replica contributes zeros. Never raises for a
         communication failure: it is recorded and the step will not commit.

@@ -87,19 +87,19 @@ def compute_quorum_result(quorum: Quorum, replica_id: str, group_rank: int, init
         src_of[dst] = src
         dsts_of.setdefault(src, []).append(dst)
 
-    src = src_of.get(replica_rank)
+    my_src = src_of.get(replica_rank)
     return QuorumResult(
         quorum_id=quorum.quorum_id,
         replica_rank=replica_rank,
         replica_world_size=len(members),
-        recover_src_manager_address=members[src].address if src is not None else "",
-        recover_src_replica_rank=src,
+        recover_src_manager_address=members[my_src].address if my_src is not None else "",
+        recover_src_replica_rank=my_src,
         recover_dst_replica_ranks=list(dsts_of.get(replica_rank, [])),
         store_address=members[store_owner].store_address,
         max_step=max_step,
         max_replica_rank=max_replica_rank,
         max_world_size=len(at_max),
-        heal=src is not None,
+        heal=my_src is not None,
         commit_failures=max(m.commit_failures for m in members),
         replica_ids=ids,
     )

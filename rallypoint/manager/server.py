@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import functools
 import json
 import logging
 import os
@@ -50,6 +51,10 @@ _DECIDED_KEEP = 16
 
 def _raw(payload: Any) -> bytes:
     return payload if isinstance(payload, bytes) else payload.SerializeToString()
+
+
+def _discard(held: set[Any], item: Any, _task: object) -> None:
+    held.discard(item)
 
 
 def _new_future() -> asyncio.Future:
@@ -311,7 +316,7 @@ class ManagerServer:
             task = asyncio.ensure_future(self._ask_lighthouse(rnd))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            task.add_done_callback(lambda _t, rnd=rnd: self._inflight.discard(rnd))
+            task.add_done_callback(functools.partial(_discard, self._inflight, rnd))
         try:
             quorum: Quorum = await asyncio.shield(rnd.result)
         except asyncio.CancelledError:

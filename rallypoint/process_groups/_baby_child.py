@@ -227,7 +227,7 @@ def _receive(conn: Connection, inbox: "queue.Queue[tuple]") -> None:
             elif msg[0] == "storage":
                 fd = reduction.recv_handle(conn)
                 try:
-                    msg = ("storage", msg[1], torch.UntypedStorage._new_shared_fd_cpu(fd, msg[2]))
+                    msg = ("storage", msg[1], torch.UntypedStorage._new_shared_fd_cpu(fd, msg[2]))  # type: ignore[attr-defined]
                 finally:
                     os.close(fd)
             inbox.put(msg)

@@ -63,7 +63,7 @@ class ProcessGroup(_TorchProcessGroup):
 
     def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         # The C++ base stores a fixed rank/size; we report the configured ones instead.
-        super().__init__(0, 1)
+        super().__init__(0, 1)  # type: ignore[call-arg]  # torch's stubs list only the store overload
         self._timeout = timeout
         self._config: GroupConfig | None = None
         self._error: Exception | None = None

@@ -268,7 +268,7 @@ class TorchBackendGroup(ProcessGroup):
             tensors = [tensors]
         op = reduce_op_of(opts)
         o = AllreduceOptions()
-        o.reduceOp = ReduceOp.SUM if is_avg(op) else op
+        o.reduceOp = ReduceOp.SUM if is_avg(op) else op  # type: ignore[assignment]  # stubs: RedOpType converts to ReduceOp
         n = self.size()
         finish = (lambda: divide_(tensors, n)) if is_avg(op) else None
         return self._run("allreduce", lambda b: b.allreduce(tensors, o), finish, list(tensors))
@@ -283,12 +283,12 @@ class TorchBackendGroup(ProcessGroup):
         def call(b: Any) -> Work:
             if same:
                 o = AllreduceCoalescedOptions()
-                o.reduceOp = sum_op
+                o.reduceOp = sum_op  # type: ignore[assignment]  # stubs: RedOpType converts to ReduceOp
                 return b.allreduce_coalesced(tensors, o)
             works = []
             for t in tensors:
                 o1 = AllreduceOptions()
-                o1.reduceOp = sum_op
+                o1.reduceOp = sum_op  # type: ignore[assignment]  # stubs: RedOpType converts to ReduceOp
                 works.append(b.allreduce([t], o1))
             return _WorkChain(works)
 
@@ -322,7 +322,7 @@ class TorchBackendGroup(ProcessGroup):
         native = not self.emulate_reduce_scatter and hasattr(self._backend, "reduce_scatter")
         if native:
             o = ReduceScatterOptions()
-            o.reduceOp = sum_op
+            o.reduceOp = sum_op  # type: ignore[assignment]  # stubs: RedOpType converts to ReduceOp
             finish = (lambda: divide_(output_tensors, n)) if is_avg(op) else None
             return self._run("reduce_scatter", lambda b: b.reduce_scatter(output_tensors, input_tensors, o), finish, list(output_tensors))
         # Emulation: allreduce a flat copy of every input list, keep our rank's chunk.
@@ -348,7 +348,7 @@ class TorchBackendGroup(ProcessGroup):
                 works = []
                 for out, inp in zip(outputs, inputs, strict=True):
                     o = ReduceScatterOptions()
-                    o.reduceOp = sum_op
+                    o.reduceOp = sum_op  # type: ignore[assignment]  # stubs: RedOpType converts to ReduceOp
                     works.append(b._reduce_scatter_base(out, inp, o))
                 return _WorkChain(works)
 
@@ -401,7 +401,7 @@ class ProcessGroupGloo(TorchBackendGroup):
         self._threads = threads
 
     def _create_backend(self, store: Store, cfg: GroupConfig) -> Any:
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
         opts._timeout = self._timeout
         opts._threads = self._threads
         opts._devices = [dist.ProcessGroupGloo.create_default_device()]
@@ -414,7 +414,7 @@ class ProcessGroupGloo(TorchBackendGroup):
 def store_barrier(store: Store, world_size: int, timeout: timedelta) -> None:
     """Block until ``world_size`` ranks called this on ``store`` (bounded by ``timeout``)."""
     if store.add("rallypoint/arrived", 1) == world_size:
-        store.set("rallypoint/all_arrived", b"1")
+        store.set("rallypoint/all_arrived", b"1")  # type: ignore[arg-type]  # bytes are accepted
     store.wait(["rallypoint/all_arrived"], timeout)
 
 
@@ -422,6 +422,6 @@ def _all_sum(backend: Any, tensors: list[torch.Tensor], op: Any) -> Work:
     works = []
     for t in tensors:
         o = AllreduceOptions()
-        o.reduceOp = op
+        o.reduceOp = op  # type: ignore[assignment]  # stubs: RedOpType converts to ReduceOp
         works.append(backend.allreduce([t], o))
     return _WorkChain(works)

@@ -152,7 +152,7 @@ class ProcessGroupNCCL(TorchBackendGroup):
         opts._timeout = self._timeout * 4
         if cfg.global_ranks:
             opts.global_ranks_in_group = list(cfg.global_ranks)
-        opts.group_name = cfg.group_name()
+        opts.group_name = cfg.group_name()  # type: ignore[assignment]  # GroupName is a str
         backend = dist.ProcessGroupNCCL(store, cfg.rank, cfg.world_size, opts)
         backend.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
         return backend

@@ -149,6 +149,7 @@ def parse_header(raw: bytes | bytearray | memoryview, min_block: int = 1, max_da
     paths: dict[int, tuple[Any, ...]] = {}
     tree = doc.get("tree")
     _check_tree(tree, (), 0, paths, len(specs))
+    assert isinstance(tree, dict)  # _check_tree refuses anything else
     if len(paths) != len(specs):
         raise _bad(f"the tree references {len(paths)} tensors but {len(specs)} are described")
     tensors: list[TensorSpec] = []

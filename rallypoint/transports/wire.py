@@ -209,7 +209,7 @@ def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any]
                 dmeta = T.dtensor_meta(x)
             except TypeError as exc:
                 raise WireError(f"{key}: {exc}", key=key) from None
-            local = x.to_local()
+            local = x.to_local()  # type: ignore[attr-defined]  # a DTensor (checked above)
         elif type(x) not in (torch.Tensor, torch.nn.Parameter):
             raise WireError(f"{key}: tensor subclass {type(x).__name__} is not supported", key=key)
         if local.layout != torch.strided or local.is_quantized or local.device.type == "meta":
@@ -354,7 +354,7 @@ class Sink:
         self._meshes: list[Any] = []
         self._piece_starts = [p[0] for p in header.pieces]
         for spec in header.tensors:
-            tgt = _lookup(into, spec.path) if into is not None else None
+            tgt: Any = _lookup(into, spec.path) if into is not None else None
             leaf = tgt
             if spec.dtensor is not None:
                 self._meshes.append(self._mesh_for(spec, tgt, mesh))
@@ -457,6 +457,7 @@ class Sink:
             for spec in self.header.tensors:
                 i = spec.index
                 dest, tgt = self._dest[i], self._target[i]
+                assert dest is not None  # dropped only after this point
                 if tgt is not None:
                     if self._direct[i]:
                         torch.autograd.graph.increment_version(tgt)
@@ -465,7 +466,7 @@ class Sink:
                     self._dest[i] = None  # drop the staging tensor right away
                     leaves.append(self._target_leaf[i])
                     continue
-                assert dest is not None
+                leaf: Any
                 if spec.dtensor is not None:
                     from torch.distributed.tensor import DTensor
 
