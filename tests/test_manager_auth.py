@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from rallypoint._net.auth import job_token
+from rallypoint._net.auth import bearer_matches, job_token
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint.lighthouse.server import LighthouseServer
 from rallypoint.manager.client import ManagerClient
@@ -49,6 +49,17 @@ def test_job_token(explicit, environ, expected) -> None:
 def test_unusable_tokens_are_errors(explicit, environ, message) -> None:
     with pytest.raises(ValueError, match=message):
         job_token(explicit, environ)
+
+
+@pytest.mark.parametrize("header, ok", [
+    (f"Bearer {TOKEN}", True), (f"bearer  {TOKEN} ", True), (f"Bearer {TOKEN}".encode(), True),
+    (None, False), ("", False), (TOKEN, False), ("Bearer", False), ("Bearer wrong", False),
+    (f"Basic {TOKEN}", False), (f"Bearer {TOKEN}x", False),
+])
+def test_bearer_matches(header, ok) -> None:
+    """The one check every server makes (the lighthouse's gRPC and HTTP, the managers',
+    the checkpoint server's)."""
+    assert bearer_matches(header, TOKEN) is ok
 
 
 @pytest.fixture

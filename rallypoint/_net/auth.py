@@ -55,12 +55,23 @@ def bearer_metadata(token: str | None) -> list[tuple[str, str]] | None:
     return [("authorization", f"Bearer {token}")] if token else None
 
 
+def bearer_token(header: str | bytes | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` value (scheme case-insensitive,
+    surrounding spaces ignored), or None."""
+    if not header:
+        return None
+    text = header.decode("utf-8", "replace") if isinstance(header, bytes) else header
+    scheme, _, value = text.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return value.strip() or None
+
+
 def bearer_matches(header: str | bytes | None, token: str) -> bool:
-    """Whether an ``Authorization`` header value is ``Bearer <token>`` (constant time)."""
-    if header is None:
-        return False
-    got = header if isinstance(header, bytes) else header.encode("utf-8", "replace")
-    return hmac.compare_digest(got, f"Bearer {token}".encode())
+    """Whether an ``Authorization`` value carries ``token`` (compared in constant time).
+    The one check every rallypoint server (gRPC and HTTP) makes."""
+    given = bearer_token(header)
+    return given is not None and hmac.compare_digest(given.encode("utf-8"), token.encode("utf-8"))
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -96,5 +107,5 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
-__all__ = ["AUTH_HINT", "MAX_TOKEN_CHARS", "TOKEN_ENV", "TokenInterceptor", "bearer_matches", "bearer_metadata",
+__all__ = ["AUTH_HINT", "MAX_TOKEN_CHARS", "TOKEN_ENV", "TokenInterceptor", "bearer_matches", "bearer_metadata", "bearer_token",
            "check_token", "job_token"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hmac
 import json
 import logging
 import socket
@@ -34,6 +33,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from rallypoint._net import addr as addrs
+from rallypoint._net.auth import bearer_matches, bearer_token
 from rallypoint.lighthouse.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 logger = logging.getLogger("rallypoint.lighthouse.http")
@@ -100,16 +100,6 @@ def _dashboard_html() -> str:
     return DASHBOARD_PATH.read_text(encoding="utf-8")
 
 
-def _bearer_token(header: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header (scheme case-insensitive)."""
-    if not header:
-        return None
-    scheme, _, value = header.strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    return value.strip() or None
-
-
 async def _kill_reason(request: Request) -> str:
     """The reason of an optional ``{"reason": "..."}`` body.
 
@@ -166,14 +156,13 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    expected = token.encode("utf-8") if token else None
-
     async def require_token(request: Request) -> None:
-        """Reject a mutating request without the right bearer token (constant-time compare)."""
-        if expected is None:
+        """Reject a request without the right bearer token (constant-time compare)."""
+        if not token:
             return
-        given = _bearer_token(request.headers.get("authorization"))
-        if given is None or not hmac.compare_digest(given.encode("utf-8"), expected):
+        header = request.headers.get("authorization")
+        if not bearer_matches(header, token):
+            given = bearer_token(header)
             logger.warning(
                 "refused %s %s from %s: %s",
                 request.method,

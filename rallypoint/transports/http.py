@@ -42,15 +42,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
-import hmac
 import io
 import logging
 import socket
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -59,8 +57,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from rallypoint._net.auth import job_token
+from rallypoint._net.auth import bearer_matches, job_token
 from rallypoint.transports import wire
+from rallypoint.transports._http_serve import _BodyResponse, _EmbeddedServer, _Served
 from rallypoint.transports._http_util import (
     SourceRefused,
     TransferError,
@@ -79,80 +78,6 @@ logger = logging.getLogger("rallypoint.transports.http")
 SEND_PIECE = 1 << 20
 #: How long start() waits for uvicorn to accept connections.
 START_TIMEOUT_S = 10.0
-
-
-@dataclass
-class _Served:
-    """One step on offer: the encoded state and the streams reading it."""
-
-    step: int
-    enc: wire.Encoded
-    timeout: float
-    withdrawn: bool = False  # disallow_checkpoint began: no new stream may start
-    aborted: bool = False  # streams still running after the wait must stop
-    active: int = 0
-    done: threading.Condition = field(default_factory=threading.Condition)
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn.Server that leaves process signals to the application."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-    def install_signal_handlers(self) -> None:
-        return None
-
-
-class _BodyResponse(Response):
-    """Streams memoryviews as the body; stops when the client leaves or the step is withdrawn."""
-
-    def __init__(self, served: _Served, pieces: AsyncIterator[memoryview], length: int) -> None:
-        super().__init__(status_code=200, media_type="application/octet-stream")
-        self.headers["content-length"] = str(length)
-        self._served, self._pieces = served, pieces
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        gone = asyncio.Event()
-
-        async def listen() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-
-        served = self._served
-        with served.done:
-            # The step may have been withdrawn between routing and now: after
-            # disallow_checkpoint returned, no byte of the state dict may be read.
-            started = not served.withdrawn
-            if started:
-                served.active += 1
-        if not started:
-            await PlainTextResponse(
-                f"the checkpoint of step {served.step} was withdrawn", status_code=404
-            )(scope, receive, send)
-            return
-        listener = asyncio.get_running_loop().create_task(listen())
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for piece in self._pieces:
-                if gone.is_set():
-                    return
-                if served.aborted:
-                    # Raising makes uvicorn drop the connection: the client sees a short body.
-                    raise RuntimeError(f"checkpoint of step {served.step} withdrawn mid-transfer")
-                # A receiver that stops reading must not pin this stream (and the state
-                # dict) forever: each piece has to leave within the transport's timeout.
-                await asyncio.wait_for(
-                    send({"type": "http.response.body", "body": piece, "more_body": True}), served.timeout
-                )
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            listener.cancel()
-            with served.done:
-                served.active -= 1
-                served.done.notify_all()
 
 
 class HTTPTransport(CheckpointTransport[Any]):
@@ -259,10 +184,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                 self._sock.close()
 
     def _authorized(self, request: Request) -> bool:
-        if self._token is None:
-            return True
-        scheme, _, value = (request.headers.get("authorization") or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self._token.encode())
+        return self._token is None or bearer_matches(request.headers.get("authorization"), self._token)
 
     def _lookup(self, request: Request, step: int) -> _Served | Response:
         if not self._authorized(request):
