@@ -15,10 +15,12 @@ Every wait has a deadline; nothing sleeps where an event can be awaited.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from rallypoint.lighthouse.client import LighthouseClient
+from rallypoint.lighthouse.client import LighthouseClient, LivenessStream
 from rallypoint.lighthouse.quorum import Quorum
 from rallypoint.lighthouse.server import LighthouseServer
 
@@ -46,6 +48,37 @@ def wait_until(pred: Callable[[], Any], timeout: float = 5.0, interval: float = 
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def reserved_port(listen: bool = False) -> Iterator[int]:
+    """A loopback port this process holds for the whole block, so nothing else can take
+    it: bound to port 0 (the OS picks it) and never released before the block ends.
+    ``listen``: a port in use (a server told to bind it must fail); otherwise an address
+    where connections are refused (nothing listens, and nothing else can start to)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", 0))
+        if listen:
+            s.listen()
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
+@contextlib.contextmanager
+def watched_leaver(address: str) -> Iterator[tuple[LivenessStream, list[tuple[str, str]]]]:
+    """Two liveness streams on the lighthouse at ``address``: a "watcher" that records the
+    PeerDown notices it gets, and a "leaver" for the test to close; both closed after."""
+    seen: list[tuple[str, str]] = []
+    watcher = LivenessStream(address, "watcher", on_peer_down=lambda rid, why: seen.append((rid, why)))
+    leaver = LivenessStream(address, "leaver")
+    try:
+        assert watcher.start(5.0) and leaver.start(5.0)
+        yield leaver, seen
+    finally:
+        leaver.close()
+        watcher.close()
 
 
 def listening_ports() -> set[int]:

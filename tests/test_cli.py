@@ -8,7 +8,6 @@ the suite fast.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
 
@@ -16,7 +15,7 @@ import pytest
 
 from rallypoint.cli import main
 
-from conftest import ask_concurrently, assert_one_quorum
+from conftest import ask_concurrently, assert_one_quorum, reserved_port
 
 LIGHTHOUSE_FLAGS = [
     "--min-replicas",
@@ -48,12 +47,8 @@ def formed(lighthouse, client):
 @pytest.fixture
 def dead_address() -> Iterator[str]:
     """host:port where nothing listens (the port stays reserved, so nothing else takes it)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("127.0.0.1", 0))
-    try:
-        yield f"127.0.0.1:{s.getsockname()[1]}"
-    finally:
-        s.close()
+    with reserved_port() as port:
+        yield f"127.0.0.1:{port}"
 
 
 def test_help_lists_subcommands_and_flags(rallypoint_cli):
@@ -136,18 +131,12 @@ def test_kill_unknown_replica(rallypoint_cli, formed):
 
 
 def test_lighthouse_refuses_taken_http_port(rallypoint_cli):
-    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    busy.bind(("127.0.0.1", 0))
-    busy.listen()
-    try:
-        port = busy.getsockname()[1]
+    with reserved_port(listen=True) as port:
         rc, out, err = run_cli(
             rallypoint_cli,
             "lighthouse", "--min-replicas", "1", "--bind", "127.0.0.1:0",
             "--http-bind", f"127.0.0.1:{port}", "--state", ":memory:",
         )  # fmt: skip
-    finally:
-        busy.close()
     assert rc != 0
     assert out == ""  # never printed the ready line
     assert f"127.0.0.1:{port}" in err and "in use" in err, err

@@ -14,7 +14,7 @@ import time
 from rallypoint.lighthouse.client import LivenessStream
 from rallypoint.lighthouse.server import LighthouseServer
 
-from conftest import Proc, replica_row, wait_until
+from conftest import Proc, replica_row, wait_until, watched_leaver
 
 # A replica: attach the liveness stream, then ask for a quorum in a loop, one JSON line
 # per event on stdout. The short pause between rounds stands for a training step.
@@ -125,17 +125,10 @@ def test_clean_close_removes_replica_at_once(lighthouse, client):
 
 def test_peer_down_callback_on_clean_leave(lighthouse):
     lh = lighthouse(min_replicas=1)
-    seen: list[tuple[str, str]] = []
-    watcher = LivenessStream(lh.local_address(), "watcher", on_peer_down=lambda rid, why: seen.append((rid, why)))
-    leaver = LivenessStream(lh.local_address(), "leaver")
-    try:
-        assert watcher.start(5.0) and leaver.start(5.0)
+    with watched_leaver(lh.local_address()) as (leaver, seen):
         leaver.close("bye")
         wait_until(lambda: seen, 5.0, what="PeerDown for leaver")
         assert seen[0][0] == "leaver" and "bye" in seen[0][1]
-    finally:
-        leaver.close()
-        watcher.close()
 
 
 def test_stray_heartbeat_does_not_resurrect_crashed_replica(lighthouse, client, spawn_python):

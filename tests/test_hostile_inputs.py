@@ -9,7 +9,7 @@ from datetime import timedelta
 import grpc
 import pytest
 
-from conftest import wait_until
+from conftest import wait_until, watched_leaver
 from rallypoint._net.limits import MAX_REASON_BYTES, clip, utf8_len
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
@@ -38,20 +38,13 @@ def test_a_huge_goodbye_reason_reaches_peers_bounded(lighthouse) -> None:
     """One client says goodbye with a 5 MiB reason: the PeerDown the lighthouse fans out
     carries at most 1 KiB of it, and the other replicas' streams stay up."""
     lh = lighthouse(min_replicas=1)
-    seen: list[tuple[str, str]] = []
-    watcher = LivenessStream(lh.local_address(), "watcher", on_peer_down=lambda rid, why: seen.append((rid, why)))
-    leaver = LivenessStream(lh.local_address(), "leaver")
-    try:
-        assert watcher.start(5.0) and leaver.start(5.0)
+    with watched_leaver(lh.local_address()) as (leaver, seen):
         leaver.close(BIG)
         wait_until(lambda: seen, 5.0, what="PeerDown for leaver")
         rid, why = seen[0]
         assert rid == "leaver" and utf8_len(why) <= MAX_REASON_BYTES + 64 and "(cut)" in why
         row = next(r for r in lh.status()["replicas"] if r["replica_id"] == "watcher")
         assert row["attached"] and not row["dead"], row
-    finally:
-        leaver.close()
-        watcher.close()
 
 
 def _lh_stub(address: str):

@@ -12,7 +12,6 @@ import concurrent.futures as cf
 import json
 import os
 import queue
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,7 +25,7 @@ from rallypoint._proto import torchft_pb2_grpc as pb_grpc
 from rallypoint.lighthouse.client import LivenessStream
 from rallypoint.lighthouse.server import LighthouseServer
 
-from conftest import ask_concurrently, assert_one_quorum, listening_ports, replica_row, wait_until
+from conftest import ask_concurrently, assert_one_quorum, listening_ports, replica_row, reserved_port, wait_until
 
 TOKEN = "test-token-123"
 HTTP_TIMEOUT = 5.0
@@ -364,14 +363,8 @@ def test_failed_http_start_releases_grpc_port(lighthouse, monkeypatch):
         return server
 
     monkeypatch.setattr(lh_server.grpc.aio, "server", recording_server)
-    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    busy.bind(("127.0.0.1", 0))
-    busy.listen()
-    try:
-        with pytest.raises(OSError, match="in use"):
-            lighthouse(bind="127.0.0.1:0", http_bind=f"127.0.0.1:{busy.getsockname()[1]}")
-    finally:
-        busy.close()
+    with reserved_port(listen=True) as busy, pytest.raises(OSError, match="in use"):
+        lighthouse(bind="127.0.0.1:0", http_bind=f"127.0.0.1:{busy}")
     # It had bound a gRPC port (port 0: the OS chose one) and no longer listens on it.
     assert len(bound) == 1 and bound[0] > 0
     assert bound[0] not in listening_ports()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import reserved_port
 from rallypoint.manager._store import StorePlan, plan_store, store_prefix
 
 # ----------------------------------------------------------------------- decisions
@@ -176,29 +177,21 @@ def test_torchrun_two_ranks_share_the_agents_store(lighthouse, tmp_path: Path) -
 def test_unreachable_store_is_a_clear_error(lighthouse, tmp_path: Path) -> None:
     """An address nobody serves fails within connect_timeout, naming the address and
     what to do, instead of hanging or hosting a store nobody else will find."""
-    import socket
-
-    # A bound socket that never listens: connections to it are refused, and nothing
-    # else can take the port while it is held.
-    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    held.bind(("127.0.0.1", 0))
-    port = held.getsockname()[1]
     code = textwrap.dedent(
-        f"""
+        """
         from datetime import timedelta
         import rallypoint as torchft
         try:
             torchft.Manager(pg=torchft.ProcessGroupGloo(), min_replica_size=1, load_state_dict=None, state_dict=None,
-                            store_addr="127.0.0.1", store_port={port}, rank=0, world_size=1,
+                            store_addr="127.0.0.1", store_port=STORE_PORT, rank=0, world_size=1,
                             connect_timeout=timedelta(seconds=2))
         except ConnectionError as e:
             print("ERROR:", e)
         """
     )
-    try:
-        p = _run([sys.executable, "-c", code], _env(lighthouse(min_replicas=1).address()), timeout=60)
-    finally:
-        held.close()
+    with reserved_port() as port:  # held, never listening: connections are refused
+        p = _run([sys.executable, "-c", code.replace("STORE_PORT", str(port))],
+                 _env(lighthouse(min_replicas=1).address()), timeout=60)
     assert f"ERROR: group rank 0: cannot reach the replica group's store at 127.0.0.1:{port}" in p.stdout, p.stdout
 
 
