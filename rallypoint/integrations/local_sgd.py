@@ -260,14 +260,19 @@ class DiLoCo(_InnerStepHook):
         self._hook_inner_steps()
         return self
 
+    def _wire_step(self) -> int:
+        """The manager's step as peers see it (setup rounds included): 0 only in a job
+        nobody has synced in yet."""
+        return self._manager.current_step() + getattr(self._manager, "_setup_rounds", 0)
+
     def _step_pre_hook(self, _opt: optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        """The start round, when the first inner step begins (torch cannot remove a hook
+        while it runs, so later steps return at once)."""
         if self._started:
             return
         self._started = True
-        # The wire step (setup rounds included): 0 only in a job nobody has synced in yet.
-        if self._manager.current_step() + getattr(self._manager, "_setup_rounds", 0) == 0:
-            if self._start_round() == "joined":
-                self._drop_this_step()
+        if self._wire_step() == 0 and self._start_round() == "joined":
+            self._drop_this_step()
 
     def _drop_this_step(self) -> None:
         """Make the inner step about to run a no-op, ending the round just joined: its
@@ -317,7 +322,7 @@ class DiLoCo(_InnerStepHook):
             for f in self._fragments:
                 f.save_global()  # the parameters as of entering: what a peer would heal from
             self._manager.start_quorum()
-            if self._manager.current_step() > 0 or getattr(self._manager, "_setup_rounds", 0) > 0:
+            if self._wire_step() > 0:
                 # Healed into a running job: take part in the round the others are in.
                 frag = self._fragment()
                 frag.prepare()
