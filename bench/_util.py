@@ -7,6 +7,10 @@
   with stderr sent to a file (never a pipe that could fill and block the child), read
   by a thread so every wait has a timeout, and killed by pid.
 - :func:`percentile`, :func:`table`: the numbers and the printed table.
+- :class:`TlsJob`: a job token and a throw-away PKI (a CA and one certificate for this
+  host, made with ``trustme``) in a temporary directory, for the ``--tls`` variants;
+  :func:`clear_job_env` drops the job's ``RALLYPOINT_TOKEN``/``RALLYPOINT_TLS_*``
+  settings from an environment, so the clear-text variants stay clear text.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import importlib.util
 import json
 import os
 import queue
+import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -240,3 +247,94 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     out = [line(headers), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in rows]
     return "\n".join(out)
+
+
+
+# ---------------------------------------------------------------------- TLS (--tls)
+#: The environment variables through which a rallypoint process picks up the job's
+#: token and TLS settings (rallypoint._net.auth / rallypoint._net.tls).
+JOB_ENV_KEYS = ("RALLYPOINT_TOKEN", "RALLYPOINT_TLS_CERT", "RALLYPOINT_TLS_KEY", "RALLYPOINT_TLS_CA",
+                "RALLYPOINT_TLS_CLIENT_CA", "RALLYPOINT_REQUIRE_TLS")
+
+
+def clear_job_env(env: dict[str, str] | Any) -> list[str]:
+    """Remove the job's token/TLS variables from ``env`` (a dict or ``os.environ``);
+    the names removed."""
+    gone = [k for k in JOB_ENV_KEYS if k in env]
+    for k in gone:
+        env.pop(k, None)
+    return gone
+
+
+class TlsJob:
+    """One job's credentials for a benchmark run: a random bearer token and, in a fresh
+    temporary directory, a CA (``ca.pem``) and one leaf certificate + key
+    (``cert.pem``/``key.pem``) for localhost, 127.0.0.1, ::1 and this host's name, usable
+    as server and client certificate (as in ``tests/test_tls.py``). ``close()`` removes
+    the directory. Needs ``trustme`` (a test extra)."""
+
+    def __init__(self) -> None:
+        try:
+            import trustme
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise SystemExit(f"--tls needs trustme to make certificates (pip install -e '.[test]'): {e}") from None
+        self.dir = tempfile.mkdtemp(prefix="bench-tls-")
+        try:
+            ca = trustme.CA()
+            leaf = ca.issue_cert("localhost", "127.0.0.1", "::1", socket.gethostname())
+            self.ca = os.path.join(self.dir, "ca.pem")
+            self.cert = os.path.join(self.dir, "cert.pem")
+            self.key = os.path.join(self.dir, "key.pem")
+            ca.cert_pem.write_to_path(self.ca)
+            leaf.private_key_pem.write_to_path(self.key)
+            leaf.cert_chain_pems[0].write_to_path(self.cert)
+            for extra in leaf.cert_chain_pems[1:]:
+                extra.write_to_path(self.cert, append=True)
+        except BaseException:
+            self.close()
+            raise
+        self.token = secrets.token_urlsafe(24)
+        with open(os.path.join(self.dir, "token"), "w") as f:  # for child processes (from_dir)
+            f.write(self.token)
+        self._owner = True
+
+    @classmethod
+    def from_dir(cls, path: str) -> "TlsJob":
+        """The job made by another process (its ``dir``), in a child; ``close`` leaves it."""
+        job = cls.__new__(cls)
+        job.dir = path
+        job.ca, job.cert, job.key = (os.path.join(path, n) for n in ("ca.pem", "cert.pem", "key.pem"))
+        with open(os.path.join(path, "token")) as f:
+            job.token = f.read().strip()
+        job._owner = False
+        return job
+
+    def env(self, mutual: bool = True, require: bool = True) -> dict[str, str]:
+        """The variables every rallypoint server and client of the job reads: the token,
+        the certificate (served, and presented as the client certificate), the CA that
+        clients verify against (which also makes them dial TLS), the client CA (servers
+        demand client certificates: mutual TLS) and ``RALLYPOINT_REQUIRE_TLS`` (a client
+        refuses a clear-text address, a server refuses to start without a certificate)."""
+        env = {"RALLYPOINT_TOKEN": self.token, "RALLYPOINT_TLS_CERT": self.cert, "RALLYPOINT_TLS_KEY": self.key,
+               "RALLYPOINT_TLS_CA": self.ca}
+        if mutual:
+            env["RALLYPOINT_TLS_CLIENT_CA"] = self.ca
+        if require:
+            env["RALLYPOINT_REQUIRE_TLS"] = "1"
+        return env
+
+    def config(self, mutual: bool = True, require: bool = True) -> Any:
+        """The same settings as a ``rallypoint._net.tls.TlsConfig`` (not read from the environment)."""
+        from rallypoint._net.tls import tls_config
+
+        return tls_config(self.cert, self.key, self.ca, self.ca if mutual else None, require=require, environ={})
+
+    def close(self) -> None:
+        if getattr(self, "_owner", True):
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "TlsJob":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -14,6 +14,12 @@ fresh pair of processes, so no other variant's background threads are running):
   ``if should_commit(): opt.step()``.
 - ``torchft``: ``torchft.Manager`` + ``torchft.ProcessGroupGloo`` against torchft's Rust
   ``LighthouseServer``; the same loop.
+- ``ours_tls`` (with ``--tls``): ``ours`` with a job token and mutual TLS on every
+  rallypoint socket (lighthouse, manager server, checkpoint server): the workers get
+  ``RALLYPOINT_TOKEN``, ``RALLYPOINT_TLS_CERT/KEY/CA/CLIENT_CA`` and
+  ``RALLYPOINT_REQUIRE_TLS=1`` in their environment (as a job would), the lighthouse the
+  same settings as arguments. The certificates (a CA and one leaf for this host, made
+  with ``trustme``) live in a temporary directory for the run.
 
 Two models: ``tiny`` (``nn.Linear(4, 2)``: the step is almost only the framework's
 fixed cost) and ``mlp`` (3 Linear layers, ~1.3 M parameters). After a warm-up (which
@@ -24,11 +30,13 @@ and model: median and p90 ms/step and the median of each phase of the step
 
 Fixed cost per step = tiny-model median minus plain's tiny-model median. Ratios:
 ``fixed_ours_vs_torchft`` (goal <= 1/3), ``mlp_ours_vs_plain`` (goal <= 1.15),
-``mlp_torchft_vs_plain``. Prints a table and one JSON line
+``mlp_torchft_vs_plain``; with ``--tls`` also ``fixed_ours_tls_vs_ours`` (goal <= 1.10),
+``tiny_ours_tls_vs_ours`` and ``mlp_ours_tls_vs_ours``. Prints a table and one JSON line
 ``{"bench": "step_overhead", "results": ..., "ratios": ...}``.
 
     .venv/bin/python bench/step_overhead.py            # full run, ~1-2 minutes
     .venv/bin/python bench/step_overhead.py --quick    # smoke run
+    .venv/bin/python bench/step_overhead.py --tls      # also ours over mutual TLS + token
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import _util  # noqa: E402
 from _util import Child, close_all, fmt_ratio, median, percentile, ratio, table  # noqa: E402
 
 VARIANTS = ("plain", "ours", "torchft")
+TLS_VARIANT = "ours_tls"
 MODELS = ("tiny", "mlp")
 PHASES = ("quorum", "fwd_bwd", "allreduce", "commit", "opt")
 REPO = Path(__file__).resolve().parent.parent
@@ -113,11 +122,15 @@ def _worker(plan: dict[str, Any]) -> None:
             rank=0, world_size=1, lighthouse_addr=plan["lighthouse"], replica_id=f"replica{rank}",
             hostname="127.0.0.1", timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
         )
-        if variant == "ours":
+        if variant in ("ours", TLS_VARIANT):
             from rallypoint.manager.manager import Manager
             from rallypoint.process_groups import ProcessGroupGloo
 
+            if variant == TLS_VARIANT:
+                _check_tls_plan(plan)
             manager = Manager(pg=ProcessGroupGloo(timeout=timeout), store_addr="127.0.0.1", **common)
+            if variant == TLS_VARIANT:
+                _check_tls_manager(manager)
         else:
             from torch.distributed import TCPStore
             from torchft.manager import Manager as TFManager
@@ -188,15 +201,51 @@ def _worker(plan: dict[str, Any]) -> None:
     os._exit(0)
 
 
+def _check_tls_plan(plan: dict[str, Any]) -> None:
+    """In an ``ours_tls`` worker, before the Manager exists: the job's token and TLS
+    settings are in this process's environment and the lighthouse address is https."""
+    missing = [k for k in _util.JOB_ENV_KEYS if not os.environ.get(k)]
+    if missing or not plan["lighthouse"].startswith("https://"):
+        raise SystemExit(f"{TLS_VARIANT} worker: not a TLS job (lighthouse {plan['lighthouse']!r}, "
+                         f"missing {missing}): refusing to measure clear text as TLS")
+    from rallypoint._net.tls import tls_config
+
+    cfg = tls_config()  # what every rallypoint server and client here reads
+    if not (cfg.serving and cfg.mutual and cfg.require and cfg.client_tls(plan["lighthouse"])):
+        raise SystemExit(f"{TLS_VARIANT} worker: the environment does not configure mutual TLS: {cfg}")
+
+
+def _check_tls_manager(manager: Any) -> None:
+    """In an ``ours_tls`` worker: the manager server and the checkpoint server it made
+    advertise https (they serve TLS)."""
+    server = getattr(manager, "_server", None)
+    transport = getattr(manager, "_transport", None)
+    addrs = {"manager server": server.address() if server is not None else None,
+             "checkpoint server": transport.metadata() if transport is not None else None}
+    bad = {k: v for k, v in addrs.items() if not (isinstance(v, str) and v.startswith("https://"))}
+    if bad:
+        raise SystemExit(f"{TLS_VARIANT} worker: not serving TLS: {bad}")
+
+
 # ---------------------------------------------------------------------- parent side
 class _Lighthouse:
-    def __init__(self, variant: str, join_ms: int, hb_ms: int) -> None:
+    def __init__(self, variant: str, join_ms: int, hb_ms: int, tls: _util.TlsJob | None = None) -> None:
         self.server: Any = None
+        self.scheme = "http"
         if variant == "ours":
             from rallypoint.lighthouse.server import LighthouseServer
 
             self.server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=join_ms,
                                            heartbeat_timeout_ms=hb_ms)
+        elif variant == TLS_VARIANT:
+            from rallypoint.lighthouse.server import LighthouseServer
+
+            assert tls is not None, "ours_tls needs the run's TlsJob"
+            self.server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=join_ms,
+                                           heartbeat_timeout_ms=hb_ms, token=tls.token, tls=tls.config())
+            self.scheme = "https"
+            if not self.server.address().startswith("https://"):
+                raise RuntimeError(f"the {TLS_VARIANT} lighthouse does not serve TLS: {self.server.address()}")
         elif variant == "torchft":
             native = _util.load_torchft_native()
             self.server = native.LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=join_ms,
@@ -206,7 +255,7 @@ class _Lighthouse:
         if self.server is None:
             return ""
         port = int(self.server.address().rsplit(":", 1)[1])
-        return f"http://127.0.0.1:{port}"
+        return f"{self.scheme}://127.0.0.1:{port}"
 
     def close(self) -> None:
         if self.server is not None:
@@ -225,15 +274,48 @@ def _recv_result(c: Child, timeout: float) -> dict[str, Any]:
             return obj["result"]
 
 
-def run_variant(variant: str, plan: dict[str, Any], store_port: int, timeout_s: float) -> list[dict[str, Any]]:
-    lh = _Lighthouse(variant, plan["join_timeout_ms"], plan["heartbeat_timeout_ms"])
+def _check_tls_lighthouse(lh: _Lighthouse, tls: _util.TlsJob) -> dict[str, str]:
+    """The ``ours_tls`` lighthouse refuses what is not the job's mutual TLS: a
+    clear-text client, and a TLS client without a client certificate (each would fail
+    to connect); a client with the job's settings connects. What each attempt got."""
+    from rallypoint._net.tls import tls_config
+    from rallypoint.lighthouse.client import LighthouseClient
+
+    addr = lh.addr()
+    attempts = {
+        "clear text": (addr.replace("https://", "http://", 1), tls_config(environ={}), False),
+        "TLS without a client certificate": (addr, tls_config(ca=tls.ca, environ={}), False),
+        "the job's mutual TLS": (addr, tls.config(), True),
+    }
+    seen: dict[str, str] = {}
+    for what, (a, cfg, ok) in attempts.items():
+        try:
+            LighthouseClient(a, connect_timeout=1.0, token=tls.token, tls=cfg).close()
+            got = "connected"
+        except ConnectionError as e:
+            got = f"refused ({type(e).__name__})"
+        seen[what] = got
+        if (got == "connected") != ok:
+            raise RuntimeError(f"{TLS_VARIANT} lighthouse at {addr}: {what}: {got}; expected "
+                               f"{'to connect' if ok else 'a refusal'}")
+    return seen
+
+
+def run_variant(variant: str, plan: dict[str, Any], store_port: int, timeout_s: float,
+                tls: _util.TlsJob | None = None, checks: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    lh = _Lighthouse(variant, plan["join_timeout_ms"], plan["heartbeat_timeout_ms"], tls)
     children: list[Child] = []
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.setdefault("RUST_LOG", "warn")
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHFT_LIGHTHOUSE", "RALLYPOINT_LIGHTHOUSE"):
         env.pop(k, None)
+    if variant == TLS_VARIANT:
+        assert tls is not None
+        env.update(tls.env(mutual=True, require=True))
     try:
+        if variant == TLS_VARIANT and checks is not None and "lighthouse_refuses" not in checks:
+            checks["lighthouse_refuses"] = _check_tls_lighthouse(lh, tls)  # type: ignore[arg-type]
         for rank in range(2):
             wplan = dict(plan, variant=variant, rank=rank, store_port=store_port, lighthouse=lh.addr())
             children.append(Child([sys.executable, __file__, "--worker", json.dumps(wplan)],
@@ -291,7 +373,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and one round")
     ap.add_argument("--out", help="also write the JSON line to this file")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of plain,ours,torchft")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated subset of plain,ours,torchft (and ours_tls, which implies --tls)")
+    ap.add_argument("--tls", action="store_true",
+                    help="also run ours_tls: ours with a job token and mutual TLS on every rallypoint socket")
     ap.add_argument("--rounds", type=int, help="variant sequences run (alternating order); default 2, quick 1")
     ap.add_argument("--tiny-steps", type=int, help="timed tiny-model steps per round (default 50, quick 15)")
     ap.add_argument("--mlp-steps", type=int, help="timed MLP steps per round (default 30, quick 10)")
@@ -300,6 +385,18 @@ def main() -> None:
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's native lighthouse logs every quorum at info
     quick = args.quick
     variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in (*VARIANTS, TLS_VARIANT)]
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}")
+    use_tls = args.tls or TLS_VARIANT in variants
+    if use_tls and TLS_VARIANT not in variants:
+        # measured next to ours (and in reversed order in the second round)
+        variants.insert(variants.index("ours") + 1 if "ours" in variants else len(variants), TLS_VARIANT)
+    # The clear-text variants must not pick up a job's token or TLS settings from here.
+    cleared = _util.clear_job_env(os.environ)
+    if cleared:
+        print(f"note: ignoring {', '.join(cleared)} from the environment (the ours_tls variant sets its own)",
+              file=sys.stderr)
     rounds = args.rounds or (1 if quick else 2)
     plan = {
         "run_id": uuid.uuid4().hex[:8],
@@ -313,14 +410,23 @@ def main() -> None:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    if use_tls:
+        # gRPC core logs each refused handshake of the clear-text check at INFO
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    tls = _util.TlsJob() if use_tls else None  # one PKI + token per run, removed at the end
+    tls_checks: dict[str, Any] = {}
     load0 = os.getloadavg()[0]
     t_start = time.monotonic()
     raw: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
-    for r in range(rounds):
-        order = variants if r % 2 == 0 else variants[::-1]
-        for v in order:
-            plan_r = dict(plan, run_id=f"{plan['run_id']}-{r}")
-            raw[v].append(run_variant(v, plan_r, store.port, args.timeout))
+    try:
+        for r in range(rounds):
+            order = variants if r % 2 == 0 else variants[::-1]
+            for v in order:
+                plan_r = dict(plan, run_id=f"{plan['run_id']}-{r}")
+                raw[v].append(run_variant(v, plan_r, store.port, args.timeout, tls, tls_checks))
+    finally:
+        if tls is not None:
+            tls.close()
     wall = time.monotonic() - t_start
     load1 = os.getloadavg()[0]
     res = {v: summarize(_pool(runs)) for v, runs in raw.items()}
@@ -329,7 +435,7 @@ def main() -> None:
         return res.get(v, {}).get(m, {}).get("median_ms")
 
     plain_tiny = med("plain", "tiny")
-    for v in ("ours", "torchft"):
+    for v in ("ours", "torchft", TLS_VARIANT):
         if v in res and plain_tiny is not None and med(v, "tiny") is not None:
             res[v]["fixed_ms"] = med(v, "tiny") - plain_tiny
     ratios = {
@@ -339,6 +445,12 @@ def main() -> None:
         "tiny_ours_vs_torchft": ratio(med("ours", "tiny"), med("torchft", "tiny")),
         "mlp_ours_vs_torchft": ratio(med("ours", "mlp"), med("torchft", "mlp")),
     }
+    if use_tls:
+        ratios["fixed_ours_tls_vs_ours"] = ratio(res.get(TLS_VARIANT, {}).get("fixed_ms"),
+                                                 res.get("ours", {}).get("fixed_ms"))
+        ratios["tiny_ours_tls_vs_ours"] = ratio(med(TLS_VARIANT, "tiny"), med("ours", "tiny"))
+        ratios["mlp_ours_tls_vs_ours"] = ratio(med(TLS_VARIANT, "mlp"), med("ours", "mlp"))
+        res[TLS_VARIANT]["tls"] = {"mutual": True, "token": True, "require_tls": True, **tls_checks}
 
     print(f"step overhead: 2 replica groups x 1 rank, gloo/CPU loopback, torchft {_util.torchft_version()}, "
           f"{rounds} round(s), {plan['steps']['tiny']}+{plan['steps']['mlp']} timed steps/round; "
@@ -357,7 +469,7 @@ def main() -> None:
                  "steps"], rows))
     print()
     rows2 = []
-    for v in ("ours", "torchft"):
+    for v in ("ours", "torchft", TLS_VARIANT):
         if v in res:
             rows2.append([f"{v} fixed cost/step ms (tiny - plain tiny)", _f(res[v].get("fixed_ms"))])
     rows2 += [
@@ -367,6 +479,12 @@ def main() -> None:
         ["tiny ours / torchft", fmt_ratio(ratios["tiny_ours_vs_torchft"])],
         ["MLP ours / torchft", fmt_ratio(ratios["mlp_ours_vs_torchft"])],
     ]
+    if use_tls:
+        rows2 += [
+            ["fixed ours_tls / ours (goal <= 1.10)", fmt_ratio(ratios["fixed_ours_tls_vs_ours"])],
+            ["tiny ours_tls / ours", fmt_ratio(ratios["tiny_ours_tls_vs_ours"])],
+            ["MLP ours_tls / ours", fmt_ratio(ratios["mlp_ours_tls_vs_ours"])],
+        ]
     for v in variants:
         rows2.append([f"{v}: setup s / commit fraction", f"{res[v]['setup_s']:.2f} / {res[v]['commit_fraction']:.2f}"])
     print(table(["summary", "value"], rows2))

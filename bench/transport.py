@@ -19,13 +19,29 @@ torchft's receiver calls ``Tensor.numpy()`` to unpickle its metadata; where nump
 installed the benchmark gives that receiver process a minimal stand-in (``tobytes`` of the
 buffer: one copy, as numpy's).
 
+TLS (``--tls``): three more contenders in the same rounds, each right after its
+clear-text twin. ``http_tls``: rallypoint's ``HTTPTransport`` serving over mutual TLS
+with a job token (a throw-away CA and a certificate for this host, made with ``trustme``
+in a temporary directory removed at the end), its receiver verifying the sender against
+that CA and presenting the same certificate, receiving into fresh tensors like
+``rallypoint``; ``http_tls_inplace``: the same receiving in place like ``rp_inplace``
+(healing's real situation, and free of the page faults of fresh 1 GB allocations);
+``socket_tls``: ``socket`` over the same mutual TLS (one ``ssl`` connection,
+``sendall``/``recv_into``: the machine's TLS ceiling). Ratios (time over TLS / in clear
+text; goal <= 1.15 for the 1 GB heal): ``http_tls_vs_http``,
+``http_tls_inplace_vs_inplace``, ``first_fetch_http_tls_vs_http``,
+``socket_tls_vs_socket``, and ``http_tls_of_socket_tls``. ``fast_path_sockets`` counts
+the socket types the receiver's ``recv_into`` fast path got (``SSLSocket``: the fast
+path ran over TLS).
+
 Cases: 100 MB of 3 MB float32 tensors, 1 GB of them (``--full``), 4,000 tiny tensors.
 Reported per contender: the first (cold: fresh process, fresh memory, as in a real
 healing) fetch, the median of the others, GB/s of the median, CPU seconds of receiver and
 sender per fetch, and the receiver's peak RSS (``VmHWM``): absolute, and above its RSS
 before the first fetch as a multiple of the state size (after one fetch; after all).
 
-    python bench/transport.py [--full] [--repeats 3] [--cases 100MB,tiny4000] [--json-only]
+    python bench/transport.py [--full] [--repeats 3] [--cases 100MB,tiny4000] [--json-only] [--tls]
+                              [--contenders rallypoint,http_tls,socket]
 
 Prints a table and one JSON line. Ratios are measured in the same run; on a shared,
 loaded machine the absolute numbers move, the ratios less so. Later (warm) fetches of a
@@ -36,6 +52,7 @@ page faults next time) or return them to the kernel; the first fetch has no such
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -49,6 +66,10 @@ import time
 from datetime import timedelta
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _util  # noqa: E402
+
 TENSOR_NUMEL = 3 * 1024 * 1024 // 4  # 3 MiB of float32
 CASES = {
     "100MB": ("big", 100 * 1024 * 1024 // (TENSOR_NUMEL * 4)),
@@ -56,6 +77,12 @@ CASES = {
     "tiny4000": ("tiny", 4000),
 }
 CONTENDERS = ["rallypoint", "rp_inplace", "torchft0", "torchft4", "socket", "rp_pg", "rp_pg_inplace", "torchft_pg"]
+PG_CONTENDERS = ("rp_pg", "rp_pg_inplace", "torchft_pg")
+TLS_CONTENDER = "http_tls"  # with --tls: rallypoint's HTTPTransport over mutual TLS + token
+TLS_INPLACE = "http_tls_inplace"  # the same, receiving in place (as rp_inplace)
+TLS_SOCKET = "socket_tls"  # with --tls: "socket" over mutual TLS (the TLS ceiling)
+#: --tls contenders, each run right after the clear-text contender it is compared with
+TLS_CONTENDERS = {TLS_CONTENDER: "rallypoint", TLS_INPLACE: "rp_inplace", TLS_SOCKET: "socket"}
 TIMEOUT = timedelta(seconds=300)
 
 
@@ -85,7 +112,7 @@ def rss_kb(field: str) -> int:
 # --------------------------------------------------------------------------- sender
 
 
-def run_sender(case: str) -> None:
+def run_sender(case: str, tls_dir: str | None = None, pg_contenders: tuple[str, ...] = PG_CONTENDERS) -> None:
     import torch
     from torchft.checkpointing.http_transport import HTTPTransport as TorchftHTTP
 
@@ -95,6 +122,12 @@ def run_sender(case: str) -> None:
     sd = make_state(case)
     rp = HTTPTransport(TIMEOUT, 4, bind="127.0.0.1:0", advertise_host="127.0.0.1")
     rp.send_checkpoint([1], 1, sd, TIMEOUT)
+    rp_tls = None
+    if tls_dir:
+        job = _util.TlsJob.from_dir(tls_dir)
+        rp_tls = HTTPTransport(TIMEOUT, 4, bind="127.0.0.1:0", advertise_host="127.0.0.1", token=job.token,
+                               tls=job.config(mutual=True))
+        rp_tls.send_checkpoint([1], 1, sd, TIMEOUT)
     tf0 = TorchftHTTP(TIMEOUT, num_chunks=0)
     tf0.send_checkpoint([1], 1, sd, TIMEOUT)
     tf4 = TorchftHTTP(TIMEOUT, num_chunks=4)
@@ -102,18 +135,32 @@ def run_sender(case: str) -> None:
     views = [byte_view(t) for t in sd.values()]
     lsock = socket.create_server(("127.0.0.1", 0))
 
-    def serve() -> None:
+    def serve(lsock: socket.socket = lsock, wrap: Any = None) -> None:
         while True:
             try:
                 conn, _ = lsock.accept()
             except OSError:
                 return
-            with conn:
-                conn.settimeout(TIMEOUT.total_seconds())
-                for v in views:
-                    conn.sendall(v)
+            try:
+                if wrap is not None:
+                    conn.settimeout(TIMEOUT.total_seconds())
+                    conn = wrap(conn, server_side=True)
+                with conn:
+                    conn.settimeout(TIMEOUT.total_seconds())
+                    for v in views:
+                        conn.sendall(v)
+            except OSError:  # a refused handshake, a receiver gone: next connection
+                continue
 
     threading.Thread(target=serve, daemon=True).start()
+    tls_lsock = None
+    if tls_dir:
+        from rallypoint._net.tls import server_ssl_context
+
+        tls_lsock = socket.create_server(("127.0.0.1", 0))
+        sctx = server_ssl_context(job.config(mutual=True))
+        assert sctx is not None
+        threading.Thread(target=serve, args=(tls_lsock, sctx.wrap_socket), daemon=True).start()
 
     import torch.distributed as dist
 
@@ -142,7 +189,7 @@ def run_sender(case: str) -> None:
             except Exception:  # noqa: BLE001 - the receiver went away: stop serving
                 return
 
-    for c in ("rp_pg", "rp_pg_inplace", "torchft_pg"):
+    for c in pg_contenders:  # only the PG contenders that have a receiver (all, by default)
         threading.Thread(target=serve_pg, args=(c,), daemon=True).start()
     print(
         json.dumps(
@@ -155,13 +202,19 @@ def run_sender(case: str) -> None:
                 "torchft4": tf4.metadata(),
                 "socket": lsock.getsockname()[1],
                 "torch": torch.__version__,
+                **({TLS_CONTENDER: rp_tls.metadata()} if rp_tls is not None else {}),
+                **({TLS_SOCKET: tls_lsock.getsockname()[1]} if tls_lsock is not None else {}),
             }
         ),
         flush=True,
     )
     sys.stdin.readline()  # the parent closes stdin (or dies) when done
     lsock.close()
+    if tls_lsock is not None:
+        tls_lsock.close()
     rp.shutdown()
+    if rp_tls is not None:
+        rp_tls.shutdown()
     tf0.shutdown()
     tf4.shutdown()
 
@@ -169,13 +222,41 @@ def run_sender(case: str) -> None:
 # --------------------------------------------------------------------------- receiver
 
 
-def run_receiver(case: str, contender: str, addr: str) -> None:
+def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = None) -> None:
     import torch
 
     from rallypoint.transports._tensors import byte_view
 
     nbytes = state_bytes(case)
-    if contender == "rallypoint":
+    fast_path: collections.Counter[str] | None = None
+    if contender in (TLS_CONTENDER, TLS_INPLACE):
+        # Rallypoint over mutual TLS with the job token, receiving into fresh tensors (as
+        # "rallypoint") or in place (as "rp_inplace"); it verifies the sender against the
+        # job's CA and presents the job's certificate.
+        import rallypoint.transports.http as rp_http
+        from rallypoint.transports.http import HTTPTransport
+
+        if not (tls_dir and addr.startswith("https://")):
+            raise SystemExit(f"{contender}: the sender does not serve TLS ({addr!r}) or no --tls-dir")
+        job = _util.TlsJob.from_dir(tls_dir)
+        t = HTTPTransport(TIMEOUT, 4, bind="127.0.0.1:0", token=job.token, tls=job.config(mutual=True))
+        # Which socket the recv_into fast path reads from (an ssl.SSLSocket over TLS; None:
+        # the slower iter_raw path). Counted, not changed.
+        fast_path = collections.Counter()
+        real_plain_socket = rp_http._plain_socket
+
+        def spy(r: Any) -> Any:
+            sock = real_plain_socket(r)
+            fast_path[type(sock).__name__ if sock is not None else "None (iter_raw path)"] += 1
+            return sock
+
+        rp_http._plain_socket = spy
+        if contender == TLS_INPLACE:
+            tls_template = {k: torch.zeros_like(v) for k, v in make_state(case).items()}
+            fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT, into=tls_template, in_place=True)  # noqa: E731
+        else:
+            fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT)  # noqa: E731
+    elif contender == "rallypoint":
         from rallypoint.transports.http import HTTPTransport
 
         t = HTTPTransport(TIMEOUT, 4, bind="127.0.0.1:0")
@@ -224,11 +305,20 @@ def run_receiver(case: str, contender: str, addr: str) -> None:
         fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT)  # noqa: E731
     else:
         port = int(addr)
+        wrap: Any = None
+        if contender == TLS_SOCKET:
+            from rallypoint._net.tls import client_ssl_context
+
+            if not tls_dir:
+                raise SystemExit(f"{TLS_SOCKET} needs --tls-dir")
+            cctx = client_ssl_context(_util.TlsJob.from_dir(tls_dir).config(mutual=True))
+            wrap = lambda s: cctx.wrap_socket(s, server_hostname="127.0.0.1")  # noqa: E731
 
         def fetch() -> Any:
             buf = torch.empty(nbytes, dtype=torch.uint8)
             view = byte_view(buf)
-            with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT.total_seconds()) as s:
+            raw = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT.total_seconds())
+            with (wrap(raw) if wrap is not None else raw) as s:
                 got = 0
                 while got < nbytes:
                     k = s.recv_into(view[got:])
@@ -259,8 +349,11 @@ def run_receiver(case: str, contender: str, addr: str) -> None:
         gc.collect()
         cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
         print(json.dumps({"t": dt, "cpu": cpu}), flush=True)
-    print(json.dumps({"base_kb": base, "first_hwm_kb": first_hwm, "hwm_kb": rss_kb("VmHWM")}), flush=True)
-    if contender != "socket":
+    end: dict[str, Any] = {"base_kb": base, "first_hwm_kb": first_hwm, "hwm_kb": rss_kb("VmHWM")}
+    if fast_path is not None:
+        end["fast_path_sockets"] = dict(fast_path)
+    print(json.dumps(end), flush=True)
+    if contender not in ("socket", TLS_SOCKET):
         t.shutdown()
     if contender in ("rp_pg", "rp_pg_inplace", "torchft_pg"):
         try:
@@ -279,13 +372,14 @@ def proc_cpu(pid: int) -> float:
 # --------------------------------------------------------------------------- orchestration
 
 
-def child(args: list[str], timeout: float) -> subprocess.Popen[str]:
+def child(args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        env=env,
     )
 
 
@@ -314,28 +408,64 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cases", default=None, help="comma-separated subset of " + ",".join(CASES))
     ap.add_argument("--json-only", action="store_true")
+    ap.add_argument("--tls", action="store_true",
+                    help=f"also the {TLS_CONTENDER} contender: rallypoint HTTP over mutual TLS with a job token")
+    ap.add_argument("--contenders", default=None,
+                    help="comma-separated subset of the contenders (default: all; a *_tls* one implies --tls)")
     ap.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--contender", help=argparse.SUPPRESS)
     ap.add_argument("--addr", help=argparse.SUPPRESS)
+    ap.add_argument("--tls-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-pg", default=",".join(PG_CONTENDERS), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.role == "sender":
-        return run_sender(a.case)
+        return run_sender(a.case, a.tls_dir, tuple(c for c in a.serve_pg.split(",") if c))
     if a.role == "receiver":
-        return run_receiver(a.case, a.contender, a.addr)
+        return run_receiver(a.case, a.contender, a.addr, a.tls_dir)
 
+    contenders = list(CONTENDERS)
+    if a.contenders:
+        contenders = [c for c in a.contenders.split(",") if c]
+        unknown = [c for c in contenders if c not in (*CONTENDERS, *TLS_CONTENDERS)]
+        if unknown:
+            ap.error(f"unknown contender(s) {unknown}")
+    use_tls = a.tls or any(c in TLS_CONTENDERS for c in contenders)
+    if use_tls and not a.contenders:
+        for tc, twin in TLS_CONTENDERS.items():  # each right after the clear-text one it is compared with
+            contenders.insert(contenders.index(twin) + 1, tc)
+    elif use_tls and not any(c in TLS_CONTENDERS for c in contenders):
+        contenders.insert(contenders.index("rallypoint") + 1 if "rallypoint" in contenders else 0, TLS_CONTENDER)
+    # Every contender but http_tls runs in clear text, whatever this shell's job settings say.
+    env = dict(os.environ)
+    _util.clear_job_env(env)
+    tls = _util.TlsJob() if use_tls else None  # one PKI + token per run, removed at the end
+    tls_args = ["--tls-dir", tls.dir] if tls is not None else []
     cases = a.cases.split(",") if a.cases else [c for c in CASES if c != "1GB" or a.full]
     results: dict[str, dict[str, Any]] = {}
+    try:
+        _run_cases(a, cases, contenders, env, tls_args, results)
+    finally:
+        if tls is not None:
+            tls.close()
+    _report(a, results)
+
+
+def _run_cases(a: argparse.Namespace, cases: list[str], contenders: list[str], env: dict[str, str],
+               tls_args: list[str], results: dict[str, dict[str, Any]]) -> None:
     for case in cases:
-        sender = child(["--role", "sender", "--case", case], 120)
+        serve_pg = ",".join(c for c in PG_CONTENDERS if c in contenders)
+        sender = child(["--role", "sender", "--case", case, "--serve-pg", serve_pg, *tls_args], 120, env)
         receivers: dict[str, subprocess.Popen[str]] = {}
         try:
             addrs = read_json_line(sender, 180, f"sender {case}")
-            for c in CONTENDERS:
-                addr = addrs["rallypoint" if c == "rp_inplace" else c]
-                receivers[c] = child(["--role", "receiver", "--case", case, "--contender", c, "--addr", str(addr)], 600)
+            for c in contenders:
+                addr = addrs[{"rp_inplace": "rallypoint", TLS_INPLACE: TLS_CONTENDER}.get(c, c)]
+                extra = tls_args if c in TLS_CONTENDERS else []
+                receivers[c] = child(["--role", "receiver", "--case", case, "--contender", c, "--addr", str(addr),
+                                      *extra], 600, env)
                 read_json_line(receivers[c], 180, f"receiver {case}/{c} start")
-            runs: dict[str, list[dict[str, float]]] = {c: [] for c in CONTENDERS}
+            runs: dict[str, list[dict[str, float]]] = {c: [] for c in contenders}
             first: dict[str, float] = {}
             for rnd in range(a.repeats + 1):  # round 0 is the warm-up
                 for c, r in receivers.items():
@@ -365,6 +495,8 @@ def main() -> None:
                     "peak_over_base_x_state": (mem["first_hwm_kb"] - mem["base_kb"]) * 1024 / state_bytes(case),
                     "peak_over_base_x_state_all_repeats": (mem["hwm_kb"] - mem["base_kb"]) * 1024 / state_bytes(case),
                 }
+                if "fast_path_sockets" in mem:
+                    results[case][c]["fast_path_sockets"] = mem["fast_path_sockets"]
         finally:
             for r in receivers.values():
                 kill(r)
@@ -374,47 +506,83 @@ def main() -> None:
                 sender.wait(20)
             except subprocess.TimeoutExpired:
                 kill(sender)
+
+
+# (ratio name, numerator contender, denominator contender, field): numerator/denominator
+_RATIOS = [
+    ("rallypoint_vs_torchft0", "torchft0", "rallypoint", "median_s"),
+    ("rallypoint_vs_torchft4", "torchft4", "rallypoint", "median_s"),
+    ("rallypoint_of_socket", "socket", "rallypoint", "median_s"),
+    ("inplace_vs_torchft0", "torchft0", "rp_inplace", "median_s"),
+    ("first_fetch_rallypoint_vs_torchft0", "torchft0", "rallypoint", "first_s"),
+    ("first_fetch_inplace_vs_torchft0", "torchft0", "rp_inplace", "first_s"),
+    ("pg_vs_torchft_pg", "torchft_pg", "rp_pg", "median_s"),
+    ("pg_inplace_vs_torchft_pg", "torchft_pg", "rp_pg_inplace", "median_s"),
+    ("first_fetch_pg_vs_torchft_pg", "torchft_pg", "rp_pg", "first_s"),
+    # TLS: time over TLS / time in clear text (goal <= 1.15 for 1 GB)
+    ("http_tls_vs_http", TLS_CONTENDER, "rallypoint", "median_s"),
+    ("http_tls_inplace_vs_inplace", TLS_INPLACE, "rp_inplace", "median_s"),
+    ("first_fetch_http_tls_vs_http", TLS_CONTENDER, "rallypoint", "first_s"),
+    ("first_fetch_http_tls_inplace_vs_inplace", TLS_INPLACE, "rp_inplace", "first_s"),
+    ("socket_tls_vs_socket", TLS_SOCKET, "socket", "median_s"),
+    ("http_tls_of_socket_tls", TLS_SOCKET, TLS_CONTENDER, "median_s"),
+]
+
+
+def _report(a: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
     summary: dict[str, Any] = {"bench": "transport", "repeats": a.repeats, "cases": results, "ratios": {}}
     for case, rs in results.items():
-        rp, ip = rs["rallypoint"]["median_s"], rs["rp_inplace"]["median_s"]
         summary["ratios"][case] = {
-            "rallypoint_vs_torchft0": rs["torchft0"]["median_s"] / rp,
-            "rallypoint_vs_torchft4": rs["torchft4"]["median_s"] / rp,
-            "rallypoint_of_socket": rs["socket"]["median_s"] / rp,
-            "inplace_vs_torchft0": rs["torchft0"]["median_s"] / ip,
-            "first_fetch_rallypoint_vs_torchft0": rs["torchft0"]["first_s"] / rs["rallypoint"]["first_s"],
-            "first_fetch_inplace_vs_torchft0": rs["torchft0"]["first_s"] / rs["rp_inplace"]["first_s"],
-            "pg_vs_torchft_pg": rs["torchft_pg"]["median_s"] / rs["rp_pg"]["median_s"],
-            "pg_inplace_vs_torchft_pg": rs["torchft_pg"]["median_s"] / rs["rp_pg_inplace"]["median_s"],
-            "first_fetch_pg_vs_torchft_pg": rs["torchft_pg"]["first_s"] / rs["rp_pg"]["first_s"],
+            name: rs[num][field] / rs[den][field] for name, num, den, field in _RATIOS if num in rs and den in rs
         }
     if not a.json_only:
+        cw = 18 if any(c in TLS_CONTENDERS for rs in results.values() for c in rs) else 12  # contender column
         print(
-            f"{'case':<10}{'contender':<12}{'first s':>9}{'median s':>10}{'GB/s':>8}"
+            f"{'case':<10}{'contender':<{cw}}{'first s':>9}{'median s':>10}{'GB/s':>8}"
             f"{'recv CPU s':>12}{'send CPU s':>12}"
             f"{'peak RSS MB':>13}{'(peak-base)/state':>19}{'same, all repeats':>19}"
         )
         for case, rs in results.items():
             for c, r in rs.items():
                 print(
-                    f"{case:<10}{c:<12}{r['first_s']:>9.4f}{r['median_s']:>10.4f}{r['gbps']:>8.3f}"
+                    f"{case:<10}{c:<{cw}}{r['first_s']:>9.4f}{r['median_s']:>10.4f}{r['gbps']:>8.3f}"
                     f"{r['recv_cpu_s']:>12.3f}"
                     f"{r['send_cpu_s']:>12.3f}{r['peak_rss_mb']:>13.0f}"
                     f"{r['peak_over_base_x_state']:>19.2f}{r['peak_over_base_x_state_all_repeats']:>19.2f}"
                 )
             rt = summary["ratios"][case]
-            print(
-                f"{case:<10}ratios (median): {rt['rallypoint_vs_torchft0']:.2f}x torchft(0), "
-                f"{rt['rallypoint_vs_torchft4']:.2f}x torchft(4), {rt['rallypoint_of_socket']:.0%} of socket, "
-                f"in-place {rt['inplace_vs_torchft0']:.2f}x torchft(0); first fetch: "
-                f"{rt['first_fetch_rallypoint_vs_torchft0']:.2f}x, in-place "
-                f"{rt['first_fetch_inplace_vs_torchft0']:.2f}x torchft(0)"
-            )
-            print(
-                f"{case:<10}PG ratio (median): ours {rt['pg_vs_torchft_pg']:.2f}x torchft PG, "
-                f"ours in place {rt['pg_inplace_vs_torchft_pg']:.2f}x; "
-                f"first fetch {rt['first_fetch_pg_vs_torchft_pg']:.2f}x"
-            )
+            if all(c in rs for c in CONTENDERS):
+                print(
+                    f"{case:<10}ratios (median): {rt['rallypoint_vs_torchft0']:.2f}x torchft(0), "
+                    f"{rt['rallypoint_vs_torchft4']:.2f}x torchft(4), {rt['rallypoint_of_socket']:.0%} of socket, "
+                    f"in-place {rt['inplace_vs_torchft0']:.2f}x torchft(0); first fetch: "
+                    f"{rt['first_fetch_rallypoint_vs_torchft0']:.2f}x, in-place "
+                    f"{rt['first_fetch_inplace_vs_torchft0']:.2f}x torchft(0)"
+                )
+                print(
+                    f"{case:<10}PG ratio (median): ours {rt['pg_vs_torchft_pg']:.2f}x torchft PG, "
+                    f"ours in place {rt['pg_inplace_vs_torchft_pg']:.2f}x; "
+                    f"first fetch {rt['first_fetch_pg_vs_torchft_pg']:.2f}x"
+                )
+            else:
+                print(f"{case:<10}ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in rt.items() if "_tls" not in k))
+            tls_parts = [
+                (f"{label} {rt[k]:{fmt}}" if k in rt else "")
+                for k, label, fmt in (
+                    ("http_tls_vs_http", "http_tls / rallypoint", ".2f"),
+                    ("http_tls_inplace_vs_inplace", "http_tls_inplace / rp_inplace", ".2f"),
+                    ("first_fetch_http_tls_vs_http", "first fetch http_tls / rallypoint", ".2f"),
+                    ("first_fetch_http_tls_inplace_vs_inplace", "first fetch http_tls_inplace / rp_inplace", ".2f"),
+                    ("socket_tls_vs_socket", "socket_tls / socket", ".2f"),
+                    ("http_tls_of_socket_tls", "http_tls of socket_tls", ".0%"),
+                )
+            ]
+            if any(tls_parts):
+                goal = " (goal <= 1.15 at 1 GB)" if case == "1GB" else ""
+                sockets = {c: rs[c]["fast_path_sockets"] for c in (TLS_CONTENDER, TLS_INPLACE)
+                           if "fast_path_sockets" in rs.get(c, {})}
+                print(f"{case:<10}TLS (median time TLS / clear text){goal}: " + ", ".join(p for p in tls_parts if p)
+                      + f"; fast path sockets {sockets}")
     print(json.dumps(summary))
 
 

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 log = logging.getLogger("rallypoint.cli")
 
@@ -53,6 +53,14 @@ def _build_parser() -> argparse.ArgumentParser:
     _flag(lh, "state", default=DEFAULT_STATE, help=f"SQLite state file ({DEFAULT_STATE}); ':memory:' keeps nothing across restarts")
     _flag(lh, "token", default=None, help="require 'authorization: Bearer TOKEN' (default: $RALLYPOINT_TOKEN)")
     _flag(lh, "forget-after-ms", type=int, default=None, help="forget replicas silent this long (10 x heartbeat timeout)")
+    _flag(lh, "tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS (default: $RALLYPOINT_TLS_CERT)")
+    _flag(lh, "tls-key", default=None, help="PEM private key of --tls-cert (default: $RALLYPOINT_TLS_KEY)")
+    _flag(lh, "tls-client-ca", default=None,
+          help="PEM CA: demand client certificates signed by it, i.e. mutual TLS (default: $RALLYPOINT_TLS_CLIENT_CA)")
+    _flag(lh, "tls-ca", default=None,
+          help="PEM CA that signed the managers' certificates, for forwarded kills (default: $RALLYPOINT_TLS_CA)")
+    _flag(lh, "require-tls", action="store_true", default=None,
+          help="refuse to start without a TLS certificate (default: $RALLYPOINT_REQUIRE_TLS)")
 
     st = sub.add_parser("status", help="print the lighthouse's quorum as a table")
     st.add_argument("--lighthouse", default=None, help=f"gRPC or HTTP address (default: $RALLYPOINT_LIGHTHOUSE, $TORCHFT_LIGHTHOUSE or {DEFAULT_LIGHTHOUSE})")
@@ -69,12 +77,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _run_lighthouse(args: argparse.Namespace) -> int:
     from rallypoint.lighthouse.server import LighthouseServer
-    from rallypoint.lighthouse.state import StateCorruptError, StateLockedError
+    from rallypoint.lighthouse.state import StateFileError
 
     from rallypoint._net.auth import job_token
+    from rallypoint._net.tls import tls_config
 
     try:
         token = job_token(args.token)
+        tls = tls_config(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_ca, args.require_tls)
     except ValueError as e:
         print(f"rallypoint lighthouse: {e}", file=sys.stderr)
         return 2
@@ -90,8 +100,11 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
             state=args.state,
             token=token,
             forget_after_ms=args.forget_after_ms,
+            tls=tls,
         )
-    except (StateLockedError, StateCorruptError, OSError, ValueError) as e:
+    except (StateFileError, OSError, ValueError) as e:
+        # StateFileError (locked, corrupt, newer schema, read-only, disk full) is one complete
+        # line naming the file and what to do; an OSError is e.g. a port already in use.
         print(f"rallypoint lighthouse: {e}", file=sys.stderr)
         return 2
     # One machine-readable line so scripts can find ports chosen with :0.
@@ -118,11 +131,20 @@ def _fetch_status(address: str, timeout: float) -> dict:
     the gRPC ``Status`` call."""
     import httpx
 
+    from rallypoint._net.auth import job_token
+    from rallypoint._net.tls import client_ssl_context, tls_config
     from rallypoint.lighthouse.client import LighthouseClient
 
+    tls = tls_config()
     url = address if "://" in address else f"http://{address}"
+    verify: Any = False
+    if tls.client_tls(url):
+        verify = client_ssl_context(tls)
+        url = "https://" + url.split("://", 1)[1]
+    token = job_token()
+    headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
-        r = httpx.get(url.rstrip("/") + "/status", timeout=min(1.0, timeout))
+        r = httpx.get(url.rstrip("/") + "/status", timeout=min(1.0, timeout), headers=headers, verify=verify)
         if r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json"):
             return r.json()
     except (httpx.HTTPError, ValueError):

@@ -17,7 +17,7 @@ from rallypoint.lighthouse.client import LivenessStream
 from rallypoint.manager.server import ManagerServer
 
 TEN = timedelta(seconds=10)
-BIG = "x" * (5 * 1024 * 1024)  # 5 MiB: more than a client's default 4 MiB receive limit
+BIG = "x" * (200 * 1024)  # far over the 1 KiB reason limit, under the server's receive limit
 
 
 @pytest.mark.parametrize("value, limit, expected", [
@@ -35,8 +35,10 @@ def test_clip(value: str, limit: int, expected: str | None) -> None:
 
 
 def test_a_huge_goodbye_reason_reaches_peers_bounded(lighthouse) -> None:
-    """One client says goodbye with a 5 MiB reason: the PeerDown the lighthouse fans out
-    carries at most 1 KiB of it, and the other replicas' streams stay up."""
+    """One client says goodbye with a 200 KiB reason: the PeerDown the lighthouse fans out
+    carries at most 1 KiB of it, and the other replicas' streams stay up. (A 5 MiB one,
+    which once broke every stream, no longer even arrives: the server's receive limit is
+    sized to the largest legal request.)"""
     lh = lighthouse(min_replicas=1)
     with watched_leaver(lh.local_address()) as (leaver, seen):
         leaver.close(BIG)
@@ -193,5 +195,26 @@ def test_deeply_nested_data_is_invalid_argument(lighthouse) -> None:
         with pytest.raises(grpc.RpcError) as e:
             quorum(pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="deep", data=deep)), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "requester.data" in e.value.details()
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("payload", MALFORMED)
+def test_malformed_bytes_on_the_attach_stream_are_invalid_argument(lighthouse, payload: bytes) -> None:
+    """Garbage as the first message, and garbage after a valid hello: each ends only that
+    caller's stream, with INVALID_ARGUMENT; another replica's stream stays up."""
+    lh = lighthouse(min_replicas=1)
+    channel = grpc.insecure_channel(lh.local_address().replace("http://", ""))
+    attach = channel.stream_stream("/rallypoint.RallypointLighthouse/Attach")  # bytes in, bytes out
+    hello = rpb.AttachRequest(hello=rpb.AttachHello(replica_id="garbler")).SerializeToString()
+    try:
+        with watched_leaver(lh.local_address()) as (_leaver, _seen):
+            for messages in ([payload], [hello, payload]):
+                with pytest.raises(grpc.RpcError) as e:
+                    list(attach(iter(messages), timeout=5))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (messages, e.value)
+                assert "not a valid rallypoint.AttachRequest" in e.value.details()
+            rows = {r["replica_id"]: r for r in lh.status()["replicas"]}
+            assert rows["watcher"]["attached"] and not rows["watcher"]["dead"], rows
     finally:
         channel.close()

@@ -251,8 +251,7 @@ def test_should_commit_votes(cluster: Cluster) -> None:
     while 5 not in s._commits:  # the step-5 vote has arrived (read-only peek)
         assert time.monotonic() < deadline, "step-5 vote never reached the server"
         time.sleep(0.01)
-    c2 = cluster.client(s.address())
-    assert concurrently(lambda: c2.should_commit(0, 6, True, timeout=5.0), lambda: c[1].should_commit(1, 6, True, timeout=5.0)) == [True, True]
+    assert concurrently(lambda: c[0].should_commit(0, 6, True, timeout=5.0), lambda: c[1].should_commit(1, 6, True, timeout=5.0)) == [True, True]
     t.join(JOIN_S)
     assert isinstance(stale[0], ConnectionError) and "superseded by step 6" in str(stale[0])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -77,14 +78,17 @@ def bearer_matches(header: str | bytes | None, token: str) -> bool:
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call of a ``grpc.aio`` server that lacks ``authorization: Bearer
     <token>`` with UNAUTHENTICATED, before any handler runs. ``on_reject(method, why)``
-    is told of each refusal (metrics); streaming methods are named in ``streams``."""
+    is told of each refusal (metrics)."""
 
     def __init__(self, token: str, on_reject: Callable[[str, str], None] | None = None,
-                 streams: tuple[str, ...] = ("/Attach",), hint: str = AUTH_HINT) -> None:
+                 hint: str = AUTH_HINT) -> None:
         self._token = check_token(token)
         self._on_reject = on_reject
-        self._streams = streams
         self._hint = hint
+        # Refusals are logged at most once a second (with a count of the others), so a
+        # flood of unauthenticated calls cannot flood the log too.
+        self._last_log = 0.0
+        self._unlogged = 0
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         got: str | bytes | None = None
@@ -94,17 +98,24 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if bearer_matches(got, self._token):
             return await continuation(details)
         why = "no token" if got is None else "wrong token"
-        log.warning("refused %s: %s", details.method, why)
+        now = time.monotonic()
+        if now - self._last_log >= 1.0:
+            more = f" (and {self._unlogged} other refusals in the last {now - self._last_log:.0f}s)" if self._unlogged else ""
+            log.warning("refused %s: %s%s", details.method, why, more)
+            self._last_log, self._unlogged = now, 0
+        else:
+            self._unlogged += 1
         if self._on_reject is not None:
             self._on_reject(details.method, why)
         hint = self._hint
 
-        async def deny(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        async def deny(_requests: Any, context: grpc.aio.ServicerContext) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, hint)
 
-        if details.method.endswith(self._streams):
-            return grpc.stream_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
+        # A streaming handler for every method, unary ones included: it never reads the
+        # request, so a caller without the token cannot make the server take in (and
+        # hold) a large message first. The wire framing is the same for both kinds.
+        return grpc.stream_stream_rpc_method_handler(deny)
 
 
 __all__ = ["AUTH_HINT", "MAX_TOKEN_CHARS", "TOKEN_ENV", "TokenInterceptor", "bearer_matches", "bearer_metadata", "bearer_token",

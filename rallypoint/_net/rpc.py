@@ -9,8 +9,10 @@ from typing import Any, Awaitable, Callable
 import grpc
 
 #: The largest message a rallypoint gRPC server accepts. The largest legal request is a
-#: quorum request with the data blob at its limit; 8 MiB leaves ample room.
-MAX_RECEIVE_BYTES = 8 * 1024 * 1024
+#: quorum request with every field at its limit (``limits.py``: about 70 KiB); gRPC reads
+#: a whole message before any handler or interceptor runs, so this also bounds what a
+#: caller without the token can make a server hold.
+MAX_RECEIVE_BYTES = 256 * 1024
 #: The largest message a server sends: a lighthouse status or quorum of many replicas.
 MAX_SEND_BYTES = 64 * 1024 * 1024
 
@@ -55,16 +57,20 @@ def translate_rpc_error(e: grpc.RpcError, what: str, timeout: float, timeout_hin
 
 
 def unary_handler(handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], request_type: Any,
-                  response_serializer: Callable[[Any], bytes]) -> grpc.RpcMethodHandler:
+                  response_serializer: Callable[[Any], bytes],
+                  on_invalid: Callable[[], None] | None = None) -> grpc.RpcMethodHandler:
     """A unary-unary method handler that parses its request itself, so bytes that are not
     a valid ``request_type`` (malformed, truncated, nested past protobuf's recursion
-    limit) are INVALID_ARGUMENT naming the message type, not grpc's UNKNOWN."""
+    limit) are INVALID_ARGUMENT naming the message type, not grpc's UNKNOWN. ``on_invalid``
+    is told of each (metrics)."""
     name = request_type.DESCRIPTOR.full_name
 
     async def parse_then_handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             request = request_type.FromString(raw)
         except Exception as e:  # noqa: BLE001 - DecodeError, RecursionError: all mean "not a valid request"
+            if on_invalid is not None:
+                on_invalid()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {name}: {e}"[:500])
         return await handler(request, context)
 

@@ -15,10 +15,23 @@ own communication through the manager, so its failures become uncommitted steps.
   fragment, the exchange overlapping inner steps; a failed sync restores the global
   parameters from a backup.
 
+What each one needs of its ``manager`` is a ``typing.Protocol`` (:class:`ManagerLike`
+and the narrower :class:`OptimizerManager`, :class:`GradientManager`,
+:class:`FSDPManager`, :class:`LocalSGDManager`, :class:`DiLoCoManager`): any object with
+those members works, torchft's ``Manager`` and test fakes included.
+
 ``rallypoint.integrations`` may import ``manager``, ``process_groups`` and
 ``transports``; nothing below the public face imports it.
 """
 
+from rallypoint.integrations._protocols import (
+    DiLoCoManager,
+    FSDPManager,
+    GradientManager,
+    LocalSGDManager,
+    ManagerLike,
+    OptimizerManager,
+)
 from rallypoint.integrations.data import DistributedSampler
 from rallypoint.integrations.ddp import DistributedDataParallel
 from rallypoint.integrations.fsdp import ReplicatedFSDP, fully_shard_replicated, register_state
@@ -27,10 +40,16 @@ from rallypoint.integrations.optim import Optimizer, OptimizerWrapper
 
 __all__ = [
     "DiLoCo",
+    "DiLoCoManager",
     "DistributedDataParallel",
     "DistributedSampler",
+    "FSDPManager",
+    "GradientManager",
     "LocalSGD",
+    "LocalSGDManager",
+    "ManagerLike",
     "Optimizer",
+    "OptimizerManager",
     "OptimizerWrapper",
     "ReplicatedFSDP",
     "fully_shard_replicated",

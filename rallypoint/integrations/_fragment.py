@@ -26,6 +26,7 @@ import torch
 from torch import nn, optim
 
 from rallypoint.integrations import _buckets
+from rallypoint.integrations._protocols import DiLoCoManager, Waitable
 
 log = logging.getLogger("rallypoint.integrations.local_sgd")
 
@@ -54,7 +55,7 @@ class Fragment:
 
     def __init__(
         self,
-        manager: Any,
+        manager: DiLoCoManager,
         module: nn.Module,
         index: int,
         outer_optimizer: optim.Optimizer,
@@ -88,7 +89,7 @@ class Fragment:
             self.backup[name] = t.pin_memory() if pin else t
         self._grads: list[torch.Tensor] = []  # averaged pseudo-gradients (local shapes)
         self._flats: list[tuple[_buckets.Bucket, torch.Tensor]] = []
-        self._works: list[Any] = []
+        self._works: list[Waitable] = []
 
     # ------------------------------------------------------------------ state
     def save_global(self) -> None:
@@ -126,7 +127,7 @@ class Fragment:
         self._manager.register_state_dict_fn(self.key, self.load_state_dict, self.state_dict)
 
     # ------------------------------------------------------------------ sync
-    def _allreduce(self, t: torch.Tensor) -> Any:
+    def _allreduce(self, t: torch.Tensor) -> Waitable:
         if self._quantize:
             return self._manager.allreduce(t, should_quantize=True)
         return self._manager.allreduce(t)

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import ReduceOp
 
+from rallypoint.integrations._protocols import AVG, GradientManager, Waitable
 from rallypoint.process_groups.wrappers import ProcessGroupDummy
 
 log = logging.getLogger("rallypoint.integrations.ddp")
@@ -56,10 +56,10 @@ class _BucketAverager:
     timeout, and an exiting process must not be held up by an idle helper.
     """
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: GradientManager) -> None:
         self.manager = manager
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[Any, torch.Tensor, torch.futures.Future] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Waitable, torch.Tensor, torch.futures.Future] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
         self.buckets = 0  # buckets handed to the hook so far (tests and logs read it)
@@ -73,7 +73,7 @@ class _BucketAverager:
         except Exception as re:  # noqa: BLE001 - the hook must not raise into the reducer
             log.warning("could not report a gradient allreduce failure (%s): %s", e, re)
 
-    def _finish(self, work: Any, buffer: torch.Tensor, fut: torch.futures.Future) -> None:
+    def _finish(self, work: Waitable, buffer: torch.Tensor, fut: torch.futures.Future) -> None:
         """Wait for ``work`` and complete ``fut`` with ``buffer``, whatever happened."""
         try:
             work.wait()
@@ -91,7 +91,7 @@ class _BucketAverager:
                 return
             self._finish(*item)
 
-    def _submit(self, item: tuple[Any, torch.Tensor, torch.futures.Future]) -> bool:
+    def _submit(self, item: tuple[Waitable, torch.Tensor, torch.futures.Future]) -> bool:
         with self._lock:
             if self._closed:
                 return False
@@ -107,7 +107,7 @@ class _BucketAverager:
         self.buckets += 1
         fut: torch.futures.Future = torch.futures.Future()
         try:
-            work = self.manager.allreduce(buffer, reduce_op=ReduceOp.AVG)
+            work = self.manager.allreduce(buffer, reduce_op=AVG)
         except Exception as e:  # noqa: BLE001 - never raise out of backward
             log.warning("posting a gradient allreduce failed: %s", e)
             self._record(e)
@@ -151,7 +151,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     step just does not commit, and the next one trains normally.
     """
 
-    def __init__(self, manager: Any, module: nn.Module, **ddp_kwargs: Any) -> None:
+    def __init__(self, manager: GradientManager, module: nn.Module, **ddp_kwargs: Any) -> None:
         for key in _OWNED_KWARGS:
             if key in ddp_kwargs:
                 raise ValueError(
@@ -174,7 +174,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.register_comm_hook(self._averager, _manager_comm_hook)
 
     @property
-    def manager(self) -> Any:
+    def manager(self) -> GradientManager:
         """The manager gradients are averaged through."""
         return self._rallypoint_manager
 

@@ -78,7 +78,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed import ReduceOp
+
+from rallypoint.integrations._protocols import AVG, FSDPManager, GradientManager
 
 log = logging.getLogger("rallypoint.integrations.fsdp")
 
@@ -96,7 +97,7 @@ class GradientAverager:
     not commit. ``calls`` and ``failures`` count shards handled (tests and logs read them).
     """
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: GradientManager) -> None:
         self.manager = manager
         self.calls = 0
         self.failures = 0
@@ -104,7 +105,7 @@ class GradientAverager:
     def __call__(self, reduce_output: torch.Tensor) -> None:
         self.calls += 1
         try:
-            self.manager.allreduce(reduce_output, reduce_op=ReduceOp.AVG).wait()
+            self.manager.allreduce(reduce_output, reduce_op=AVG).wait()
         except Exception as e:  # noqa: BLE001 - Manager.allreduce records its own; this is anything else
             self.failures += 1
             log.warning("cross-replica gradient all-reduce failed: %s", e)
@@ -217,7 +218,7 @@ def _select(module: nn.Module, spec: ShardSpec) -> list[nn.Module]:
     return list(reversed(chosen))
 
 
-def _validate(manager: Any, mesh: Any) -> None:
+def _validate(manager: FSDPManager, mesh: Any) -> None:
     if mesh.ndim != 1:
         raise ValueError(
             f"the mesh has {mesh.ndim} dimensions; pass the replica group's own 1-D mesh: the "
@@ -242,7 +243,7 @@ def _validate(manager: Any, mesh: Any) -> None:
         )
 
 
-def register_state(manager: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+def register_state(manager: FSDPManager, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                    key: str = "fsdp", mesh: Any = None) -> FSDPState:
     """Register the FSDP-safe heal callbacks of ``module`` (and ``optimizer``, which must
     have been built on the *sharded* parameters) with ``manager`` under ``key``, and
@@ -272,7 +273,7 @@ def register_state(manager: Any, module: nn.Module, optimizer: torch.optim.Optim
 
 def fully_shard_replicated(
     module: nn.Module,
-    manager: Any,
+    manager: FSDPManager,
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
     *,
     mesh: Any = None,

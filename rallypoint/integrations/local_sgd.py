@@ -91,6 +91,7 @@ from torch import nn, optim
 from torch.utils.hooks import RemovableHandle
 
 from rallypoint.integrations._fragment import Fragment, local_view
+from rallypoint.integrations._protocols import DiLoCoManager, LocalSGDManager
 
 log = logging.getLogger("rallypoint.integrations.local_sgd")
 
@@ -125,7 +126,7 @@ class LocalSGD(_InnerStepHook):
     """Average the model's parameters over the replicas every ``sync_every`` inner
     optimizer steps (see the module docstring for the failure semantics)."""
 
-    def __init__(self, manager: Any, model: nn.Module, optimizer: optim.Optimizer, sync_every: int) -> None:
+    def __init__(self, manager: LocalSGDManager, model: nn.Module, optimizer: optim.Optimizer, sync_every: int) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         self._manager = manager
@@ -184,7 +185,7 @@ class DiLoCo(_InnerStepHook):
 
     def __init__(
         self,
-        manager: Any,
+        manager: DiLoCoManager,
         model_fragments: list[nn.Module],
         inner_optimizer: optim.Optimizer,
         outer_optimizer: optim.Optimizer | list[optim.Optimizer],

@@ -29,22 +29,13 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from rallypoint.integrations._protocols import OptimizerManager
+
 log = logging.getLogger("rallypoint.integrations.optim")
-
-
-class _ManagerLike(Protocol):
-    """What the wrapper needs of a ``rallypoint.manager.Manager`` (tests pass fakes)."""
-
-    def start_quorum(self) -> None: ...
-
-    def should_commit(self) -> bool: ...
-
-    def register_state_dict_fn(self, key: str, load_state_dict: Callable[[Any], None],
-                               state_dict: Callable[[], Any]) -> None: ...
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -57,7 +48,7 @@ class Optimizer(torch.optim.Optimizer):
     were averaged (it is the commit barrier).
     """
 
-    def __init__(self, manager: _ManagerLike, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, manager: OptimizerManager, optimizer: torch.optim.Optimizer) -> None:
         # No super().__init__(): the inner optimizer owns the parameters, their groups and
         # state; a second copy here would drift from it.
         self.optim = optimizer

@@ -21,6 +21,8 @@ from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net import addr as addrs
 from rallypoint._net.auth import bearer_metadata, job_token
 from rallypoint._net.rpc import channel_options, seconds, translate_rpc_error
+from rallypoint._net.tls import TlsConfig, tls_config
+from rallypoint._net.tls import channel as tls_channel
 from rallypoint.lighthouse.quorum import Member, Quorum
 from rallypoint.lighthouse.validate import member_from_pb
 
@@ -47,12 +49,15 @@ class LighthouseClient:
     ``TimeoutError`` naming the replica and the lighthouse).
     """
 
-    def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0, token: str | None = None) -> None:
+    def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0, token: str | None = None,
+                 *, tls: TlsConfig | None = None) -> None:
+        """``token``: the job token (default ``RALLYPOINT_TOKEN``); ``tls``: the job's TLS
+        settings (default ``RALLYPOINT_TLS_*``; TLS when a CA is set or ``addr`` is https)."""
         self.addr = addr
         self._target = addrs.grpc_target(addr)
         self._connect_timeout = seconds(connect_timeout)
         self._metadata = _metadata(token)
-        self._channel = grpc.insecure_channel(self._target, options=channel_options())
+        self._channel = tls_channel(self._target, addr, tls or tls_config(), channel_options())
         try:
             grpc.channel_ready_future(self._channel).result(timeout=self._connect_timeout)
         except grpc.FutureTimeoutError:
@@ -171,6 +176,7 @@ class LivenessStream:
         address: str = "",
         *,
         token: str | None = None,
+        tls: TlsConfig | None = None,
         ping_interval: float | None = 1.0,
         on_peer_down: Callable[[str, str], None] | None = None,
         reconnect_backoff: tuple[float, float] = (0.1, 2.0),
@@ -190,7 +196,7 @@ class LivenessStream:
         self._lock = threading.Lock()
         self.unsupported = False
         self.welcome: rpb.AttachWelcome | None = None
-        self._channel = grpc.insecure_channel(self._target, options=channel_options())
+        self._channel = tls_channel(self._target, addr, tls or tls_config(), channel_options())
         self._attach = self._channel.stream_stream(
             "/rallypoint.RallypointLighthouse/Attach",
             request_serializer=rpb.AttachRequest.SerializeToString,

@@ -22,7 +22,8 @@ import grpc
 from rallypoint._net import __version__
 from rallypoint._net.auth import AUTH_HINT, TokenInterceptor, job_token
 from rallypoint._net.limits import MAX_REASON_BYTES, clip
-from rallypoint._net.rpc import server_options, unary_handler
+from rallypoint._net.rpc import channel_options, server_options, unary_handler
+from rallypoint._net.tls import TlsConfig, add_port, aio_channel, check_server, tls_config
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net import addr as addrs
@@ -117,6 +118,12 @@ class _Service:
         except TimeoutError:
             await self._invalid(context, validate.InvalidRequest(f"no hello within {HELLO_TIMEOUT_S:.0f}s"))
             return
+        if first is not grpc.aio.EOF:
+            try:
+                first = _attach_request(first)
+            except validate.InvalidRequest as e:
+                await self._invalid(context, e)
+                return
         if first is grpc.aio.EOF or not first.HasField("hello"):
             await self._invalid(context, validate.InvalidRequest("the first Attach message must be a hello"))
             return
@@ -129,6 +136,7 @@ class _Service:
         att = self.core.attach(rid, first.hello.address)
         log.info("[%s] liveness stream attached from %s", rid, context.peer())
         clean, reason = False, "connection lost"
+        invalid: validate.InvalidRequest | None = None
         reader = asyncio.ensure_future(self._read(context, att))
         push: asyncio.Future | None = None
         overflow: asyncio.Future | None = None
@@ -148,6 +156,8 @@ class _Service:
                 push.cancel()
                 clean, reason = reader.result()
                 break
+        except validate.InvalidRequest as e:
+            invalid, reason = e, f"invalid message on the stream: {e}"
         except asyncio.CancelledError:
             # The peer vanished or the server is stopping; the RPC is over either way.
             # Returning (not re-raising) keeps grpc from logging it as unhandled.
@@ -161,6 +171,8 @@ class _Service:
             if overflow is not None:
                 overflow.cancel()
             self.core.detach(att, clean=clean, reason=reason)
+        if invalid is not None:
+            await self._invalid(context, invalid)
 
     async def _read(self, context: grpc.aio.ServicerContext, att: _Attachment) -> tuple[bool, str]:
         while True:
@@ -170,30 +182,39 @@ class _Service:
                 return False, f"connection lost: {e!r}"
             if msg is grpc.aio.EOF:
                 return False, "stream closed without a goodbye"
+            msg = _attach_request(msg)  # InvalidRequest ends only this caller's stream
             if msg.HasField("goodbye"):
                 # Forwarded to every other replica as a PeerDown: bounded first.
                 return True, clip(msg.goodbye.reason, MAX_REASON_BYTES) or "goodbye"
             self.core.heartbeat(att.replica_id)
 
 
+def _attach_request(raw: bytes) -> rpb.AttachRequest:
+    """One message of an Attach stream, parsed; InvalidRequest when it is not one."""
+    try:
+        return rpb.AttachRequest.FromString(raw)
+    except Exception as e:  # noqa: BLE001 - DecodeError, RecursionError: all mean "not a message"
+        raise validate.InvalidRequest(f"the stream message is not a valid rallypoint.AttachRequest: {e}"[:500]) from None
+
+
 def _handlers(service: _Service) -> list[grpc.GenericRpcHandler]:
+    def invalid() -> None:
+        service.metrics.rejected("invalid_argument")
+
     lighthouse = grpc.method_handlers_generic_handler(
         "torchft.LighthouseService",
         {
-            "Quorum": unary_handler(service.quorum, pb.LighthouseQuorumRequest, _raw),
-            "Heartbeat": unary_handler(service.heartbeat, pb.LighthouseHeartbeatRequest, _raw),
+            "Quorum": unary_handler(service.quorum, pb.LighthouseQuorumRequest, _raw, invalid),
+            "Heartbeat": unary_handler(service.heartbeat, pb.LighthouseHeartbeatRequest, _raw, invalid),
         },
     )
     extension = grpc.method_handlers_generic_handler(
         "rallypoint.RallypointLighthouse",
         {
-            "Attach": grpc.stream_stream_rpc_method_handler(
-                service.attach,
-                request_deserializer=rpb.AttachRequest.FromString,
-                response_serializer=_raw,
-            ),
-            "Status": unary_handler(service.status, rpb.StatusRequest, _raw),
-            "KillReplica": unary_handler(service.kill_replica, rpb.KillReplicaRequest, _raw),
+            # Parsed by the handler (_attach_request): malformed bytes are INVALID_ARGUMENT.
+            "Attach": grpc.stream_stream_rpc_method_handler(service.attach, response_serializer=_raw),
+            "Status": unary_handler(service.status, rpb.StatusRequest, _raw, invalid),
+            "KillReplica": unary_handler(service.kill_replica, rpb.KillReplicaRequest, _raw, invalid),
         },
     )
     return [lighthouse, extension]
@@ -202,10 +223,11 @@ def _handlers(service: _Service) -> list[grpc.GenericRpcHandler]:
 class _View:
     """What the HTTP app sees (called on the loop thread)."""
 
-    def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, token: str | None) -> None:
+    def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, token: str | None, tls: TlsConfig) -> None:
         self.core = core
         self._metrics = metrics
         self._token = token
+        self._tls = tls
 
     def status(self) -> dict:
         s = self.core.status()
@@ -229,7 +251,7 @@ class _View:
         self.core.store.record_event("kill", replica_id, reason=reason, address=address)
         log.warning("[%s] forwarding Kill to its manager at %s: %s", replica_id, address, reason)
         metadata = [("authorization", f"Bearer {self._token}")] if self._token else None
-        async with grpc.aio.insecure_channel(addrs.grpc_target(address)) as channel:
+        async with aio_channel(addrs.grpc_target(address), address, self._tls, channel_options()) as channel:
             call = channel.unary_unary(
                 "/torchft.ManagerService/Kill",
                 request_serializer=_raw,
@@ -265,6 +287,7 @@ class LighthouseServer:
         token: str | None = None,
         forget_after_ms: int | None = None,
         startup_timeout: float = 30.0,
+        tls: TlsConfig | None = None,
     ) -> None:
         self._options = Options(
             min_replicas=min_replicas,
@@ -279,6 +302,7 @@ class LighthouseServer:
         self._tick = quorum_tick_ms / 1000 if quorum_tick_ms else None
         self._forget_after = forget_after_ms / 1000 if forget_after_ms else None
         self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN; empty is an error
+        self._tls = tls or tls_config()  # the argument, else RALLYPOINT_TLS_*
         self._state_path = state
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -318,6 +342,7 @@ class LighthouseServer:
                 "kill replicas; pass --token or set RALLYPOINT_TOKEN",
                 self._bind,
             )
+        check_server(self._tls, "the lighthouse", host, self._token, addrs.is_loopback(host))
         store = StateStore(self._state_path)
         metrics = LighthouseMetrics()
         http = None
@@ -328,10 +353,10 @@ class LighthouseServer:
             self.core = core
             interceptors = [TokenInterceptor(self._token, lambda _m, _w: metrics.rejected("unauthenticated"))] if self._token else []
             server = grpc.aio.server(options=server_options(), interceptors=interceptors)
-            view = _View(core, metrics, self._token)
+            view = _View(core, metrics, self._token, self._tls)
             server.add_generic_rpc_handlers(_handlers(_Service(core, metrics, view)))
             try:
-                port = server.add_insecure_port(self._bind)
+                port = add_port(server, self._bind, self._tls)
             except RuntimeError as e:
                 raise OSError(f"cannot bind the lighthouse to {self._bind}: {e}") from None
             if not port:
@@ -340,13 +365,14 @@ class LighthouseServer:
             await server.start()
             core.start()
             if self._http_bind:
-                http = HttpService(create_app(view, self._token), self._http_bind)
+                http = HttpService(create_app(view, self._token), self._http_bind, tls=self._tls)
                 await http.start()
                 self._http_address = http.address()
             log.info(
-                "lighthouse %s listening on %s (gRPC)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs state=%s",
+                "lighthouse %s listening on %s (gRPC%s)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs state=%s",
                 __version__,
                 self.address(),
+                ", TLS" + (" with client certificates" if self._tls.mutual else "") if self._tls.serving else "",
                 f", {self._http_address} (HTTP)" if self._http_address else "",
                 self._options.min_replicas,
                 self._options.join_timeout,
@@ -369,16 +395,16 @@ class LighthouseServer:
 
     # ------------------------------------------------------------------ API
     def address(self) -> str:
-        """``http://host:port`` of the gRPC service (torchft's spelling)."""
+        """``http://host:port`` of the gRPC service (torchft's spelling; ``https://`` over TLS)."""
         host, _ = addrs.split_host_port(self._bind)
-        return f"http://{addrs.join_host_port(addrs.advertised_host(host), self._port)}"
+        return f"{self._tls.scheme()}://{addrs.join_host_port(addrs.advertised_host(host), self._port)}"
 
     def local_address(self) -> str:
         """A loopback address of the gRPC service, for clients on this machine."""
         host, _ = addrs.split_host_port(self._bind)
         if addrs.is_wildcard(host):
             host = "::1" if host in ("::", "[::]") and _has_ipv6() else "127.0.0.1"
-        return f"http://{addrs.join_host_port(host, self._port)}"
+        return f"{self._tls.scheme()}://{addrs.join_host_port(host, self._port)}"
 
     @property
     def port(self) -> int:

@@ -39,6 +39,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from rallypoint._net.version import __version__
+from rallypoint.lighthouse import _state_errors as _errors
+from rallypoint.lighthouse._state_errors import (  # re-exported: import the errors from here
+    StateCorruptError as StateCorruptError, StateDiskFullError as StateDiskFullError,
+    StateFileError as StateFileError, StateLockedError as StateLockedError,
+    StateNewerError as StateNewerError, StateReadOnlyError as StateReadOnlyError,
+)
 from rallypoint.lighthouse.quorum import Member, Quorum
 
 logger = logging.getLogger("rallypoint.lighthouse.state")
@@ -78,14 +85,6 @@ _MEMBER_FIELDS = tuple(f.name for f in dataclasses.fields(Member))
 _MEMBER_TYPES: dict[str, type] = {
     f.name: type(f.default) for f in dataclasses.fields(Member) if f.default is not dataclasses.MISSING
 }
-
-
-class StateLockedError(RuntimeError):
-    """Another live lighthouse holds the state file's lock."""
-
-
-class StateCorruptError(RuntimeError):
-    """The state file is not a valid rallypoint state database."""
 
 
 @dataclass(frozen=True)
@@ -163,9 +162,12 @@ class StateStore:
             logger.info("lighthouse state kept in memory only (%s): nothing survives a restart", MEMORY)
             return
 
-        parent = os.path.dirname(os.path.abspath(self._path))
-        os.makedirs(parent, exist_ok=True)
-        self._lock_fd = self._acquire_lock()
+        self._existed = _errors.holds_data(self._path)  # for the advice if opening fails: keep it or not
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
+            self._lock_fd = self._acquire_lock()
+        except OSError as e:  # read-only directory, full disk: say so instead of an errno
+            raise _errors.startup_error(self._path, e, self._existed) from e
         try:
             self._restored = self._open()
         except BaseException:
@@ -311,28 +313,27 @@ class StateStore:
 
     def _acquire_lock(self) -> int:
         """Take the exclusive flock and write who holds it, for the next one's error."""
-        lock_path = f"{self._path}.lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(f"{self._path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            holder = _read_holder(fd)
+            holder = _errors.read_holder(fd)
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise StateLockedError(
-                f"state file {self._path} is in use by another lighthouse ({holder}; lock {lock_path}). "
-                "Two lighthouses on one job would split the quorum: stop the other one or pass a "
-                "different --state."
-            ) from None
+            raise StateLockedError(_errors.locked_message(self._path, holder), self._path) from None
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         data = (json.dumps(info) + "\n").encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+        except OSError:  # a full disk: the caller reports it; the lock goes with the fd
+            os.close(fd)
+            raise
         return fd
 
     def _release_lock(self) -> None:
@@ -345,15 +346,15 @@ class StateStore:
             os.close(fd)
 
     def _corrupt(self, what: str) -> StateCorruptError:
-        return StateCorruptError(
-            f"state file {self._path} is not a valid rallypoint lighthouse state database: {what}. "
-            "Move it aside (or delete it, with its -wal/-shm files) to start fresh at quorum_id 0, "
-            "or pass a different --state."
-        )
+        return StateCorruptError(_errors.corrupt_message(self._path, what), self._path)
 
     def _open(self) -> Restored:
         """Open the file, check it is ours (or empty), create the schema if needed, then
         read the last quorum and the newest events and trim the log to ``max_events``."""
+        if os.path.exists(self._path) and not os.access(self._path, os.W_OK):
+            # SQLite would open it read-only without a word and fail at the first write.
+            denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES), self._path)
+            raise _errors.startup_error(self._path, denied, self._existed)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one per batch.
         self._conn = conn = sqlite3.connect(
             self._path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_MS / 1000
@@ -369,8 +370,8 @@ class StateStore:
                 raise self._corrupt(f"it holds other tables ({', '.join(sorted(tables))})")
             if tables:
                 versions = [row[0] for row in conn.execute("SELECT version FROM schema_version")]
-                if versions != [SCHEMA_VERSION]:
-                    raise self._corrupt(f"schema version {versions}, this rallypoint reads [{SCHEMA_VERSION}]")
+                if versions != [SCHEMA_VERSION]:  # checked before WAL: the file stays untouched
+                    raise _errors.schema_error(self._path, versions, SCHEMA_VERSION, __version__)
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 logger.warning("state file %s: WAL journal not available (got %s)", self._path, mode)
@@ -393,9 +394,10 @@ class StateStore:
         except (TypeError, ValueError) as e:  # a row edited by hand into the wrong types
             raise self._corrupt(f"an event row cannot be read ({e})") from e
         except sqlite3.DatabaseError as e:
-            if isinstance(e, sqlite3.OperationalError) and e.sqlite_errorcode not in _CORRUPT_CODES:
-                e.add_note(f"while opening lighthouse state file {self._path}")
-                raise  # I/O, permissions, a lock held outside rallypoint: not the file's fault
+            code = (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF  # the primary code of an extended one
+            if isinstance(e, sqlite3.OperationalError) and code not in _CORRUPT_CODES:
+                # I/O, permissions, a full disk, a lock held outside rallypoint: not the file's fault
+                raise _errors.startup_error(self._path, e, self._existed) from e
             raise self._corrupt(str(e)) from e
         if quorum is not None:
             self._accepted_key = self._written_key = _quorum_key(quorum)
@@ -440,7 +442,7 @@ class StateStore:
 
     def _run(self) -> None:
         """Batch whatever is queued into one transaction; retry transient failures."""
-        backoff = 0.0
+        backoff, failures = 0.0, 0
         try:
             while True:
                 with self._cond:
@@ -462,20 +464,32 @@ class StateStore:
                     self._write_batch(quorum, events)
                 except Exception as e:
                     transient = isinstance(e, (sqlite3.OperationalError, OSError))
+                    cause = _errors.write_failure(self._path, e) if transient else str(e)  # disk full? read-only?
                     if transient and not stopping:  # disk full, I/O error: keep the batch, retry
+                        failures += 1
                         backoff = min(max(_RETRY_MIN_S, backoff * 2), _RETRY_MAX_S)
-                        logger.error("state file %s: write failed (%s); retrying in %.1fs", self._path, e, backoff)
+                        if failures == 1:
+                            logger.error(
+                                "state file %s: cannot save: %s. The lighthouse keeps serving, but new quorum_ids "
+                                "and events are not on disk until this is fixed (a lighthouse restarted meanwhile "
+                                "could reuse an older quorum_id); retrying in %.1fs", self._path, cause, backoff,
+                            )
+                        elif _errors.should_log_retry(failures):
+                            logger.error("state file %s: still cannot save after %d attempts: %s; retrying in %.1fs",
+                                         self._path, failures, cause, backoff)
                         self._requeue(quorum, events, waiters)
                         continue
                     logger.error(
                         "state file %s: dropping %d event(s)%s, write failed: %s", self._path, len(events),
-                        " and the last quorum" if quorum else "", e, exc_info=not transient,
+                        " and the last quorum" if quorum else "", cause, exc_info=not transient,
                     )
                     self._forget_quorum(quorum)
                     _release(waiters, False)
                 else:
+                    if failures:
+                        logger.warning("state file %s: saved again after %d failed attempt(s)", self._path, failures)
                     _release(waiters, True)
-                backoff = 0.0
+                backoff, failures = 0.0, 0
         except BaseException:  # pragma: no cover - a bug here must at least be visible
             logger.exception("state file %s: writer thread died; state is no longer saved", self._path)
             raise
@@ -583,16 +597,3 @@ class _Waiter:
 def _release(waiters: list[_Waiter], ok: bool) -> None:
     for waiter in waiters:
         waiter.set(ok)
-
-
-def _read_holder(fd: int) -> str:
-    """Who holds the lock, from what it wrote into the lock file (best effort)."""
-    try:
-        raw = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-        info = json.loads(raw) if raw else {}
-        if not isinstance(info, dict):
-            raise ValueError(raw)
-    except (OSError, ValueError):
-        return "holder pid unknown"
-    pid, host, started = info.get("pid", "unknown"), info.get("host", "unknown host"), info.get("started", "?")
-    return f"pid {pid} on {host}, started {started}"

@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 from rallypoint.manager.recovery import QuorumResult
+from rallypoint.process_groups.protocols import ReconfigurableProcessGroup
 
 
 class FailFast:
@@ -32,7 +33,7 @@ class FailFast:
     _aborted_quorum: int | None
     _quorum_id: int
     _step: int
-    _pg: Any
+    _pg: ReconfigurableProcessGroup
     _log: logging.LoggerAdapter
     _group_rank: int
     _relay: Any

@@ -20,6 +20,7 @@ import torch
 
 from rallypoint.manager.client import ManagerClient
 from rallypoint.manager.recovery import QuorumResult
+from rallypoint.transports.base import CheckpointTransportLike
 
 
 def materialise(tree: Any) -> Any:
@@ -41,15 +42,15 @@ def materialise(tree: Any) -> Any:
 class Healer:
     """Serves and fetches heals through one checkpoint transport."""
 
-    def __init__(self, transport: Any, group_rank: int, timeout: timedelta, connect_timeout: timedelta,
-                 log: logging.LoggerAdapter) -> None:
+    def __init__(self, transport: CheckpointTransportLike[dict[str, Any]], group_rank: int, timeout: timedelta,
+                 connect_timeout: timedelta, log: logging.LoggerAdapter) -> None:
         self._transport = transport
         self._group_rank = group_rank
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._log = log
 
-    def serve(self, q: QuorumResult, state: Any) -> None:
+    def serve(self, q: QuorumResult, state: dict[str, Any]) -> None:
         """Offer ``state`` as step ``q.max_step`` to the replica ranks that heal from us.
         Training may change the state before the peer has it (a synchronous quorum's
         sender steps on through DiLoCo's sync delay; BatchNorm buffers change in forward),
@@ -62,7 +63,7 @@ class Healer:
             dst_ranks=list(q.recover_dst_replica_ranks), step=q.max_step, state_dict=state, timeout=self._timeout,
         )
 
-    def fetch(self, q: QuorumResult, into: Any = None, mesh: Any = None) -> Any:
+    def fetch(self, q: QuorumResult, into: Any = None, mesh: Any = None) -> dict[str, Any]:
         """The state of step ``q.max_step`` from our assigned source. ``into``: our current
         state (received tensors are verified, then copied into its matching tensors, and
         DTensors are rebuilt on its meshes); ``mesh``: the mesh for DTensors ``into`` lacks."""

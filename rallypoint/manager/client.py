@@ -19,7 +19,10 @@ from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net.addr import grpc_target
 from rallypoint._net.auth import bearer_metadata, job_token
 from rallypoint._net.rpc import channel_options, seconds, translate_rpc_error
+from rallypoint._net.tls import TlsConfig, tls_config
+from rallypoint._net.tls import channel as tls_channel
 from rallypoint.manager.recovery import QuorumResult
+from rallypoint.manager._votes import RANK_KEY_HEADER, new_rank_key
 
 log = logging.getLogger("rallypoint.manager.client")
 
@@ -82,8 +85,9 @@ class ManagerClient:
     connect_timeout)``). Thread-safe; ``close()`` releases the channel."""
 
     def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0, *, fail_fast: bool = False,
-                 token: str | None = None) -> None:
+                 token: str | None = None, tls: TlsConfig | None = None) -> None:
         """``token``: the job token sent with every call (default ``RALLYPOINT_TOKEN``).
+        ``tls``: the job's TLS settings (default ``RALLYPOINT_TLS_*``).
         ``fail_fast``: do not wait for the connection; a call to a peer that refuses it
         fails at once instead of after ``connect_timeout`` (for a peer that was alive a
         moment ago, such as a heal source: if it refuses now, it died, and waiting would
@@ -91,7 +95,10 @@ class ManagerClient:
         self.addr = addr
         self._connect_timeout = seconds(connect_timeout)
         self._metadata = bearer_metadata(job_token(token))
-        self._channel = grpc.insecure_channel(grpc_target(addr), options=channel_options())
+        # This client's rank key: the server binds it to the group rank of our first
+        # Quorum/ShouldCommit, so no other caller can vote or set checkpoint metadata for it.
+        self._rank_metadata = [*(self._metadata or []), (RANK_KEY_HEADER, new_rank_key())]
+        self._channel = tls_channel(grpc_target(addr), addr, tls or tls_config(), channel_options())
         # Calls made without waiting for readiness fail at once (UNAVAILABLE) when the
         # peer refuses the connection: fail_fast skips this wait and relies on that.
         if not fail_fast:
@@ -139,7 +146,7 @@ class ManagerClient:
         secs = seconds(timeout)
         req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync)
         try:
-            resp = self._quorum_call(req, timeout=secs, metadata=self._metadata)
+            resp = self._quorum_call(req, timeout=secs, metadata=self._rank_metadata)
         except grpc.RpcError as e:
             raise self._translate(e, f"quorum for group rank {group_rank} at step {step}", secs) from None
         return result_from_pb(resp)
@@ -160,7 +167,7 @@ class ManagerClient:
         secs = seconds(timeout)
         req = pb.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit)
         try:
-            return self._commit_call(req, timeout=secs, metadata=self._metadata).should_commit
+            return self._commit_call(req, timeout=secs, metadata=self._rank_metadata).should_commit
         except grpc.RpcError as e:
             raise self._translate(e, f"should_commit of group rank {group_rank} at step {step}", secs) from None
 

@@ -56,6 +56,8 @@ from rallypoint.manager._store import open_store as _open_store, plan_store as _
 from rallypoint.manager._work import DoneWork, ManagedWork
 from rallypoint.manager.client import ManagerClient
 from rallypoint.manager.recovery import QuorumResult
+from rallypoint.process_groups.protocols import ReconfigurableProcessGroup
+from rallypoint.transports.base import CheckpointTransportLike
 
 T = TypeVar("T")
 
@@ -81,7 +83,7 @@ class Manager(FailFast):
 
     def __init__(
         self,
-        pg: Any,
+        pg: ReconfigurableProcessGroup,
         load_state_dict: Callable[[Any], None] | None,
         state_dict: Callable[[], Any] | None,
         min_replica_size: int,
@@ -99,7 +101,7 @@ class Manager(FailFast):
         port: int | None = None,
         hostname: str = socket.gethostname(),
         heartbeat_interval: timedelta = timedelta(milliseconds=100),
-        checkpoint_transport: Any = None,
+        checkpoint_transport: CheckpointTransportLike[dict[str, Any]] | None = None,
         init_sync: bool = True,
         max_retries: int | None = None,
         quorum_retries: int = 0,
@@ -169,7 +171,7 @@ class Manager(FailFast):
             from rallypoint.transports.http import HTTPTransport
 
             checkpoint_transport = HTTPTransport(timeout=self._timeout, bind="0.0.0.0:0", advertise_host=hostname)
-        self._transport = checkpoint_transport
+        self._transport: CheckpointTransportLike[dict[str, Any]] = checkpoint_transport
         self._healer = Healer(checkpoint_transport, self._group_rank, self._timeout, self._connect_timeout, self._log)
 
         try:
@@ -232,7 +234,7 @@ class Manager(FailFast):
             ) from e
         self._log.extra["replica_id"] = self._replica_id  # type: ignore[index]
         if self._server is not None:
-            from rallypoint.manager.server import LocalManagerClient
+            from rallypoint.manager._local import LocalManagerClient
 
             self._client = LocalManagerClient(self._server)  # no gRPC round trip to ourselves
         else:

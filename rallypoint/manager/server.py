@@ -37,16 +37,17 @@ from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net.auth import TokenInterceptor, job_token
 from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES, MAX_REASON_BYTES, utf8_len
 from rallypoint._net.rpc import seconds, server_options, unary_handler
+from rallypoint._net.tls import TlsConfig, add_port, check_server, tls_config
+from rallypoint._net.addr import is_loopback, split_host_port
 from rallypoint.lighthouse.client import LighthouseClient, LivenessStream, Quorum
-from rallypoint.manager.client import quorum_request, result_to_pb
+from rallypoint.manager.client import result_to_pb
 from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
+from rallypoint.manager._votes import RANK_KEY_HEADER, CommitVotes, claim_rank, new_rank_key
 
 log = logging.getLogger("rallypoint.manager")
 
 # Used when a Quorum request carries no deadline and no quorum_timeout was given.
 DEFAULT_QUORUM_TIMEOUT_S = 60.0
-# Decided should_commit rounds remembered, so a retried vote gets the same answer.
-_DECIDED_KEEP = 16
 
 
 def _raw(payload: Any) -> bytes:
@@ -74,12 +75,6 @@ class _QuorumRound:
     deadlines: dict[int, float | None] = field(default_factory=dict)
     result: asyncio.Future = field(default_factory=_new_future)
     fired: bool = False
-
-
-@dataclass
-class _CommitRound:
-    votes: dict[int, bool] = field(default_factory=dict)
-    decision: asyncio.Future = field(default_factory=_new_future)
 
 
 class _Failure(Exception):
@@ -133,6 +128,7 @@ class ManagerServer:
         on_peer_down: Callable[[str, str], None] | None = None,
         liveness: bool = True,
         startup_timeout: float = 30.0,
+        tls: TlsConfig | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size} (replica {replica_id})")
@@ -147,18 +143,25 @@ class ManagerServer:
         self._quorum_timeout = seconds(quorum_timeout) if quorum_timeout is not None else None
         self._quorum_retries = max(0, int(quorum_retries))
         self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN; guards this server too
+        self._tls = tls or tls_config()  # the argument, else RALLYPOINT_TLS_*
+        bind_host, _ = split_host_port(bind)
+        check_server(self._tls, f"the manager server of replica {replica_id}", bind_host, self._token, is_loopback(bind_host))
         self._on_kill = on_kill or _default_kill
         self._on_peer_down = on_peer_down
 
         # Loop-thread state.
         self._rounds: dict[int, _QuorumRound] = {}
-        self._commits: dict[int, _CommitRound] = {}
-        self._decided: dict[int, bool] = {}
+        self._votes = CommitVotes(world_size, replica_id, self._superseded)
         self._metadata: dict[int, str] = {}
+        # Which process speaks for each group rank (see manager/_votes.py); rank 0's own
+        # process calls in-process with the server's key.
+        self._rank_keys: dict[int, str] = {}
+        self._local_key = new_rank_key()
         self._inflight: set[_QuorumRound] = set()
         self._tasks: set[asyncio.Task] = set()
 
-        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout=self._connect_timeout, token=self._token)
+        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout=self._connect_timeout, token=self._token,
+                                            tls=self._tls)
         self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"rallypoint-manager-{replica_id}")
         self._stopped = threading.Event()
         self._ready = threading.Event()
@@ -184,6 +187,7 @@ class ManagerServer:
                     replica_id,
                     self.address(),
                     token=self._token,
+                    tls=self._tls,
                     ping_interval=max(self._heartbeat_interval, 0.05),
                     on_peer_down=self._peer_down,
                 )
@@ -214,7 +218,7 @@ class ManagerServer:
         server.add_generic_rpc_handlers([self._handlers()])
         try:
             try:
-                port = server.add_insecure_port(self._bind)
+                port = add_port(server, self._bind, self._tls)
             except RuntimeError as e:
                 raise OSError(f"[{self.replica_id}] cannot bind the manager server to {self._bind}: {e}") from None
             if not port:
@@ -281,6 +285,7 @@ class ManagerServer:
         if not 0 <= req.group_rank < self.world_size:
             await self._bad_rank(context, req.group_rank, "quorum")
         await self._too_long(context, "checkpoint_metadata", req.checkpoint_metadata, MAX_CHECKPOINT_METADATA_BYTES)
+        await self._claim(context, req.group_rank, "quorum")
         try:
             result = await self._join_quorum(req, context.time_remaining())
         except _Failure as f:
@@ -305,7 +310,7 @@ class ManagerServer:
             rnd = self._rounds[req.step] = _QuorumRound(step=req.step, first_at=now)
             # Every commit vote follows a quorum: a new round is a new attempt, so a
             # remembered decision (e.g. a failed step being retried) must not answer it.
-            self._decided.clear()
+            self._votes.forget_decisions()
         rnd.requests[rank] = req
         rnd.deadlines[rank] = now + remaining if remaining is not None else None
         log.debug("[%s] quorum request from group rank %d at step %d (%d/%d)", self.replica_id, rank, req.step, len(rnd.requests), self.world_size)
@@ -431,6 +436,7 @@ class ManagerServer:
     async def _should_commit(self, req: pb.ShouldCommitRequest, context: grpc.aio.ServicerContext) -> pb.ShouldCommitResponse:
         if not 0 <= req.group_rank < self.world_size:
             await self._bad_rank(context, req.group_rank, "should_commit")
+        await self._claim(context, req.group_rank, "should_commit")
         try:
             decision = await self._vote(req.group_rank, req.step, req.should_commit)
         except _Failure as f:
@@ -439,41 +445,36 @@ class ManagerServer:
 
     async def _vote(self, rank: int, step: int, vote: bool) -> bool:
         """One rank's commit vote for ``step``; the group's decision (raises :class:`_Failure`)."""
-        if step in self._decided:
-            return self._decided[step]
-        rnd = self._commits.get(step)
-        if rnd is None:
-            rnd = self._commits[step] = _CommitRound()
-        # A False stands: a later True for the same rank and step (a retry, or a forged
-        # vote) cannot turn a failed step into a committed one.
-        rnd.votes[rank] = rnd.votes.get(rank, True) and vote
-        if len(rnd.votes) == self.world_size:
-            decision = all(rnd.votes.values())
-            del self._commits[step]
-            self._decided[step] = decision
-            while len(self._decided) > _DECIDED_KEEP:
-                del self._decided[min(self._decided)]
-            log.info("[%s] should_commit for step %d: %s (votes %s)", self.replica_id, step, decision, dict(sorted(rnd.votes.items())))
-            rnd.decision.set_result(decision)
-            # Older undecided rounds can never be used now: release their waiters.
-            for old in [s for s in self._commits if s < step]:
-                stale = self._commits.pop(old)
-                if not stale.decision.done():
-                    stale.decision.set_exception(
-                        _Failure(
-                            grpc.StatusCode.ABORTED,
-                            f"replica {self.replica_id}: should_commit for step {old} superseded by step {step} "
-                            "before every rank voted",
-                        )
-                    )
-        try:
-            return await asyncio.shield(rnd.decision)
-        except asyncio.CancelledError:
-            if not rnd.decision.done() and self._commits.get(step) is rnd:
-                rnd.votes.pop(rank, None)
-                if not rnd.votes:
-                    del self._commits[step]
-            raise
+        return await self._votes.vote(rank, step, vote)
+
+    @property
+    def _commits(self) -> dict:
+        """The undecided should_commit rounds, by step (read-only, for tests)."""
+        return self._votes.rounds
+
+    def _superseded(self, old: int, new: int) -> Exception:
+        return _Failure(grpc.StatusCode.ABORTED,
+                        f"replica {self.replica_id}: should_commit for step {old} superseded by step {new} "
+                        "before every rank voted")
+
+    def _bind_rank(self, rank: int, key: str | None, peer: str) -> str | None:
+        """Whether the caller (``key``) may speak for ``rank``; binds a first key. Why not, or None."""
+        why = claim_rank(self._rank_keys, rank, key)
+        if why is None and key is not None and rank not in self._rank_keys:
+            self._rank_keys[rank] = key
+            log.debug("[%s] group rank %d is now bound to its caller's rank key (%s)", self.replica_id, rank, peer)
+        return why
+
+    async def _claim(self, context: grpc.aio.ServicerContext, rank: int, what: str) -> None:
+        """PERMISSION_DENIED unless the caller may speak for ``rank`` (nothing changes)."""
+        key = None
+        for k, v in context.invocation_metadata() or ():
+            if k == RANK_KEY_HEADER:
+                key = v if isinstance(v, str) else v.decode("utf-8", "replace")
+        why = self._bind_rank(rank, key, context.peer())
+        if why is not None:
+            log.warning("[%s] refused %s for group rank %d from %s: %s", self.replica_id, what, rank, context.peer(), why)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"replica {self.replica_id}: {why}")
 
     async def _kill(self, req: pb.KillRequest, context: grpc.aio.ServicerContext) -> pb.KillResponse:
         await self._too_long(context, "msg", req.msg, MAX_REASON_BYTES)
@@ -486,11 +487,8 @@ class ManagerServer:
         for rnd in list(self._rounds.values()) + list(self._inflight):
             if not rnd.result.done():
                 rnd.result.set_exception(_Failure(code, message))
-        for crnd in list(self._commits.values()):
-            if not crnd.decision.done():
-                crnd.decision.set_exception(_Failure(code, message))
+        self._votes.fail_all(lambda: _Failure(code, message))
         self._rounds.clear()
-        self._commits.clear()
 
     # ------------------------------------------------------------------ in-process API
     def _call_local(self, coro: Any, timeout: float, what: str) -> Any:
@@ -510,6 +508,8 @@ class ManagerServer:
                 raise TimeoutError(f"{what}: {f.message}") from None
             if f.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
                 raise ValueError(f"{what}: {f.message}") from None
+            if f.code == grpc.StatusCode.PERMISSION_DENIED:
+                raise PermissionError(f"{what}: {f.message}") from None
             raise ConnectionError(f"{what} failed ({f.code.name}): {f.message}") from None
 
     def local_quorum(self, req: pb.ManagerQuorumRequest, timeout: float) -> QuorumResult:
@@ -517,21 +517,30 @@ class ManagerServer:
         if not 0 <= req.group_rank < self.world_size:
             raise ValueError(f"group rank {req.group_rank} is not in replica group {self.replica_id} of {self.world_size}")
         what = f"quorum for group rank {req.group_rank} at step {req.step}"
-        return self._call_local(self._join_quorum(req, timeout), timeout, what)
+        return self._call_local(self._as_local(req.group_rank, self._join_quorum(req, timeout)), timeout, what)
 
     def local_should_commit(self, rank: int, step: int, vote: bool, timeout: float) -> bool:
         """``ShouldCommit`` for a rank in this process."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"group rank {rank} is not in replica group {self.replica_id} of {self.world_size}")
-        return self._call_local(self._vote(rank, step, vote), timeout, f"should_commit of group rank {rank} at step {step}")
+        return self._call_local(self._as_local(rank, self._vote(rank, step, vote)), timeout,
+                                f"should_commit of group rank {rank} at step {step}")
+
+    async def _as_local(self, rank: int, coro: Any) -> Any:
+        """``coro`` on behalf of ``rank`` of this process (bound to the server's own key)."""
+        why = self._bind_rank(rank, self._local_key, "this process")
+        if why is not None:
+            coro.close()
+            raise _Failure(grpc.StatusCode.PERMISSION_DENIED, f"replica {self.replica_id}: {why}")
+        return await coro
 
     # ------------------------------------------------------------------ API
     def address(self) -> str:
-        """``http://hostname:port`` (torchft's spelling)."""
+        """``http://hostname:port`` (torchft's spelling; ``https://`` over TLS)."""
         host = self.hostname
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        return f"http://{host}:{self._port}"
+        return f"{self._tls.scheme()}://{host}:{self._port}"
 
     @property
     def port(self) -> int:
@@ -564,35 +573,3 @@ class ManagerServer:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-
-
-
-class LocalManagerClient:
-    """``ManagerClient``'s calls for the rank that hosts the server (group rank 0):
-    the same rounds, reached through the server's event loop instead of a gRPC round
-    trip to itself (which costs a few milliseconds of every step)."""
-
-    def __init__(self, server: ManagerServer) -> None:
-        self._server = server
-        self.addr = server.address()
-
-    def _quorum(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        timeout: float | timedelta,
-        commit_failures: int = 0,
-        init_sync: bool = True,
-    ) -> QuorumResult:
-        req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync)
-        return self._server.local_quorum(req, seconds(timeout))
-
-    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: float | timedelta) -> bool:
-        return self._server.local_should_commit(group_rank, step, should_commit, seconds(timeout))
-
-    def close(self) -> None:
-        """Nothing to release: the server belongs to the manager."""

@@ -10,6 +10,7 @@ from .errors import NotConfiguredError, ProcessGroupAborted, ProcessGroupError, 
 from .gloo import ProcessGroupGloo
 from .baby import ProcessGroupBaby, ProcessGroupBabyGloo, ProcessGroupBabyNCCL
 from .nccl import ProcessGroupNCCL
+from .protocols import AllgatherGroup, ReconfigurableProcessGroup
 from .wrappers import (
     ErrorSwallowingProcessGroupWrapper,
     FakeProcessGroupWrapper,
@@ -38,4 +39,6 @@ __all__ = [
     "ProcessGroupTimeout",
     "ProcessGroupAborted",
     "NotConfiguredError",
+    "AllgatherGroup",
+    "ReconfigurableProcessGroup",
 ]

@@ -49,6 +49,7 @@ import torch
 from torch.distributed.distributed_c10d import AllgatherOptions, Work
 from torch.futures import Future
 
+from .protocols import AllgatherGroup
 from .work import CompletedWork, effective_timeout
 
 logger = logging.getLogger("rallypoint.process_groups.quantization")
@@ -220,7 +221,7 @@ class QuantizedAllreduceWork(Work):
         return out
 
 
-def _group_timeout(pg: Any) -> timedelta | None:
+def _group_timeout(pg: AllgatherGroup) -> timedelta | None:
     get = getattr(pg, "timeout", None)
     if callable(get):
         try:
@@ -232,7 +233,7 @@ def _group_timeout(pg: Any) -> timedelta | None:
 
 
 def allreduce_quantized(
-    pg: Any,
+    pg: AllgatherGroup,
     tensors: list[torch.Tensor],
     timeout: timedelta | None = None,
     row_size: int = DEFAULT_ROW_SIZE,

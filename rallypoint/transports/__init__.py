@@ -1,7 +1,8 @@
 """Checkpoint transports: how a healing replica copies state from a live peer.
 
 * :mod:`.wire` - the safe wire format (JSON header + raw tensor bytes; never unpickles).
-* :class:`CheckpointTransport` - the interface (torchft's names).
+* :class:`CheckpointTransport` - the interface (torchft's names); :class:`CheckpointTransportLike`
+  the Protocol a user's or torchft's transport satisfies structurally.
 * :class:`HTTPTransport` - uvicorn/FastAPI server thread, httpx client, parallel ranges.
 * :class:`PGTransport` - send/recv over a (reconfigurable) process group.
 
@@ -13,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rallypoint.transports.base import CheckpointTransport
+from rallypoint.transports.base import CheckpointTransport, CheckpointTransportLike
 from rallypoint.transports.wire import WireError
 
-__all__ = ["CheckpointTransport", "HTTPTransport", "PGTransport", "WireError"]
+__all__ = ["CheckpointTransport", "CheckpointTransportLike", "HTTPTransport", "PGTransport", "WireError"]
 
 
 def __getattr__(name: str) -> Any:

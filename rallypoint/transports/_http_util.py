@@ -19,14 +19,13 @@ class TransferTimeout(TransferError, TimeoutError):
 
 
 def _plain_socket(r: httpx.Response) -> socket.socket | None:
-    """The TCP socket under a plain-HTTP response (httpcore's documented
-    ``network_stream`` extension), or None where that is unavailable or TLS."""
+    """The socket under a response (httpcore's documented ``network_stream`` extension),
+    or None where that is unavailable. Over TLS it is the ``ssl.SSLSocket``: its
+    ``recv_into`` decrypts straight into the destination, as fast as OpenSSL allows."""
     ns = r.extensions.get("network_stream")
-    if ns is None or r.url.scheme != "http":
+    if ns is None or r.url.scheme not in ("http", "https"):
         return None
     try:
-        if ns.get_extra_info("ssl_object") is not None:
-            return None
         sock = ns.get_extra_info("socket")
     except Exception:  # pragma: no cover - other httpcore backends
         return None

@@ -26,11 +26,15 @@ state as :mod:`rallypoint.transports.wire` describes (untouched unless ``in_plac
 so the caller can retry against another source.
 
 Receive fast path: httpx parses a body 64 KiB at a time in Python and hands out ``bytes``
-(one more copy). For plain ``http://`` the status and headers still go through httpx, then
-the body is read with ``recv_into`` straight into the destination tensors from the socket
-under the response (httpcore's ``network_stream`` extension); that connection is then
-closed rather than reused. Where the extension is missing, or for https, the plain
-``iter_raw`` path is used.
+(one more copy). The status and headers still go through httpx, then the body is read
+with ``recv_into`` straight into the destination tensors from the socket under the
+response (httpcore's ``network_stream`` extension; over TLS the ``ssl.SSLSocket``, which
+decrypts into them); that connection is then closed rather than reused. Where the
+extension is missing, the plain ``iter_raw`` path is used.
+
+TLS (``rallypoint._net.tls``): the server serves it when the job has a certificate
+(``RALLYPOINT_TLS_CERT/KEY``) and then advertises ``https://``; a receiver verifies the
+source against ``RALLYPOINT_TLS_CA`` and presents the job's certificate for mutual TLS.
 
 Memory: the sender holds no copy of contiguous CPU tensors (device or non-contiguous ones
 are copied once, at ``send_checkpoint``); the receiver holds the state once (fresh
@@ -58,6 +62,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from rallypoint._net.auth import bearer_matches, job_token
+from rallypoint._net.addr import is_loopback
+from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES
+from rallypoint._net.tls import TlsConfig, check_server, client_ssl_context, tls_config, uvicorn_ssl_kwargs
 from rallypoint.transports import wire
 from rallypoint.transports._http_serve import _BodyResponse, _EmbeddedServer, _Served
 from rallypoint.transports._http_util import (
@@ -118,6 +125,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         publish_wait: timedelta | None = None,
         copy_on_send: bool = True,
         max_state_bytes: int | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         if block < wire.MIN_NETWORK_BLOCK:
             raise ValueError(f"block={block} is below the {wire.MIN_NETWORK_BLOCK}-byte minimum receivers accept")
@@ -129,6 +137,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._publish_wait = None if publish_wait is None else publish_wait.total_seconds()
         self._num_chunks = max(1, int(num_chunks))
         self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN (the job's credential)
+        self._tls = tls or tls_config()  # the argument, else RALLYPOINT_TLS_*
         self._max_chunk = max_chunk_bytes
         self._retries = retries
         self._block = block
@@ -139,7 +148,12 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._lock = threading.Lock()
         host, _, port = bind.rpartition(":")
         host = host.strip("[]")
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        check_server(self._tls, "the checkpoint server", host, self._token, is_loopback(host))
+        ssl_kwargs = uvicorn_ssl_kwargs(self._tls)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets created with it, and
+        # without it every response waits ~40 ms for a delayed ACK (Nagle).
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                                   socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, int(port)))
         self._sock.listen(128)
@@ -148,7 +162,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         if advertise_host is None:
             advertise_host = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
         shown = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
-        self._url = f"http://{shown}:{self._port}"
+        self._url = f"{self._tls.scheme()}://{shown}:{self._port}"
         config = uvicorn.Config(
             self._app(),
             log_level="warning",
@@ -157,6 +171,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             log_config=None,
             ws="none",
             timeout_graceful_shutdown=2,
+            **ssl_kwargs,
         )
         self._server = _EmbeddedServer(config)
         self._loop = asyncio.new_event_loop()
@@ -348,11 +363,19 @@ class HTTPTransport(CheckpointTransport[Any]):
         """
         base = metadata.rstrip("/")
         deadline = time.monotonic() + timeout.total_seconds()
+        if len(base) > MAX_CHECKPOINT_METADATA_BYTES or not base.lower().startswith(("http://", "https://")):
+            raise TransferError(f"rank {src_rank}'s checkpoint address {base[:200]!r} is not an http(s) URL: "
+                                "refusing to fetch from it")
         where = f"checkpoint of step {step} from rank {src_rank} at {base}"
         headers = {"authorization": f"Bearer {self._token}"} if self._token is not None else {}
         limits = httpx.Limits(max_connections=self._num_chunks, max_keepalive_connections=self._num_chunks)
         # No TLS context for plain http: loading the CA bundle costs ~50 ms of a cold receive.
-        verify: ssl.SSLContext | bool = self._ssl() if base.startswith("https://") else False
+        try:
+            verify: ssl.SSLContext | bool = self._ssl() if self._tls.client_tls(base) else False
+        except ValueError as exc:  # TLS required and the source is clear text
+            raise TransferError(f"{where}: {exc}") from exc
+        if verify is not False and base.startswith("http://"):
+            base = "https://" + base[len("http://"):]
         with httpx.Client(headers=headers, limits=limits, timeout=_timeout(deadline), verify=verify) as client:
             try:
                 raw = self._await_header(client, f"{base}/checkpoint/{step}/header", deadline, where)
@@ -370,7 +393,12 @@ class HTTPTransport(CheckpointTransport[Any]):
                 sink = wire.Sink(header, into=into, in_place=in_place, mesh=mesh)
             except wire.WireError as exc:
                 raise TransferError(f"{where}: {exc}") from exc
-            ranges = header.split(self._num_chunks, self._max_chunk)
+            max_chunk = self._max_chunk
+            if verify is not False:
+                # Over TLS every range is a new connection and a full handshake (the fast
+                # path closes it after the body): no more ranges than connections.
+                max_chunk = max(max_chunk, -(-header.data_bytes // self._num_chunks))
+            ranges = header.split(self._num_chunks, max_chunk)
             self._fetch_all(client, base, step, sink, ranges, deadline, where)
         try:
             return sink.finish()
@@ -407,11 +435,12 @@ class HTTPTransport(CheckpointTransport[Any]):
             return bytes(buf)
 
     def _ssl(self) -> ssl.SSLContext:
-        """One TLS context per transport (only used for https sources): building one per
-        receive costs tens of milliseconds of CA loading."""
+        """One TLS context per transport (only used for TLS sources): building one per
+        receive costs tens of milliseconds of CA loading. It verifies against the job's CA
+        (``RALLYPOINT_TLS_CA``; the system's without one) and presents the job's certificate."""
         with self._lock:
             if self._ssl_ctx is None:
-                self._ssl_ctx = ssl.create_default_context()
+                self._ssl_ctx = client_ssl_context(self._tls)
             return self._ssl_ctx
 
     def _fetch_all(
@@ -503,14 +532,20 @@ class HTTPTransport(CheckpointTransport[Any]):
             w.write(first)
             left = end - start - len(first)
 
+            timeout_set = float("inf")
+
             def readinto(mv: memoryview) -> int:
-                nonlocal left
+                nonlocal left, timeout_set
                 if stop.is_set() or left <= 0:
                     return 0
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise httpx.ReadTimeout(f"range [{start}, {end}) not complete by the deadline")
-                sock.settimeout(remaining)
+                if timeout_set - remaining > 0.25:
+                    # Not per read: over TLS a read is one 16 KiB record, and each
+                    # settimeout costs syscalls. A read may overrun the deadline by 0.25 s.
+                    sock.settimeout(remaining)
+                    timeout_set = remaining
                 try:
                     n = sock.recv_into(mv, min(mv.nbytes, left))
                 except TimeoutError as exc:

@@ -1,0 +1,44 @@
+"""``LocalManagerClient``: the rank that hosts the group's ``ManagerServer`` (group rank 0)
+calls the server's rounds in process instead of making a gRPC round trip to itself,
+which costs a few milliseconds of every step. Same rules, same errors as the wire."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from rallypoint._net.rpc import seconds
+from rallypoint.manager.client import quorum_request
+from rallypoint.manager.recovery import QuorumResult
+from rallypoint.manager.server import ManagerServer
+
+
+class LocalManagerClient:
+    """``ManagerClient``'s calls for the rank that hosts the server (group rank 0):
+    the same rounds, reached through the server's event loop instead of a gRPC round
+    trip to itself (which costs a few milliseconds of every step)."""
+
+    def __init__(self, server: ManagerServer) -> None:
+        self._server = server
+        self.addr = server.address()
+
+    def _quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: float | timedelta,
+        commit_failures: int = 0,
+        init_sync: bool = True,
+    ) -> QuorumResult:
+        req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync)
+        return self._server.local_quorum(req, seconds(timeout))
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: float | timedelta) -> bool:
+        return self._server.local_should_commit(group_rank, step, should_commit, seconds(timeout))
+
+    def close(self) -> None:
+        """Nothing to release: the server belongs to the manager."""
+
+
+__all__ = ["LocalManagerClient"]

@@ -1,0 +1,139 @@
+"""Who may speak for a group rank, and the group's commit vote: the ManagerServer's rules
+that decide whether a step commits, apart from its gRPC shell.
+
+Why rank keys: the job token says a caller belongs to the job, not which rank it is. Any
+token holder could otherwise vote True for another rank (and a step that rank failed
+would commit) or send a ``Quorum`` for another rank that rewrites where healing peers
+fetch that rank's state. So each rallypoint rank sends a random key of its own
+(:data:`RANK_KEY_HEADER`) with its ``Quorum`` and ``ShouldCommit`` calls; the server binds
+the first key it sees for a rank to that rank for its own lifetime, and refuses every
+other caller for it. A rank that restarts restarts its whole replica group (torchrun
+and ``rallypoint run`` do), so the new server has no binding yet. torchft's clients send
+no key: a rank that never sent one keeps torchft's rules (no binding).
+
+The vote: a decision exists only once every rank of the group voted for that step; any
+False wins and stands (a later True for the same rank and step changes nothing); a
+decided step answers the same decision to a retry; a vote for another step is counted
+only for that step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger("rallypoint.manager")
+
+#: gRPC metadata key carrying a rank's key (lower case, as gRPC requires).
+RANK_KEY_HEADER = "x-rallypoint-rank-key"
+#: Longest rank key accepted (ours are 32 hex characters).
+MAX_RANK_KEY_CHARS = 128
+#: Decided rounds remembered, so a retried vote gets the same answer.
+DECIDED_KEEP = 16
+
+
+def new_rank_key() -> str:
+    """A fresh random key for one rank's client (never logged, never stored)."""
+    return secrets.token_hex(16)
+
+
+def claim_rank(bound: Mapping[int, str], rank: int, key: str | None) -> str | None:
+    """Whether a caller presenting ``key`` may speak for ``rank``, given the keys bound so
+    far: None if it may (the caller then binds ``key`` if the rank had none), else why not."""
+    if key is not None and not (0 < len(key) <= MAX_RANK_KEY_CHARS):
+        return f"the {RANK_KEY_HEADER} metadata must be 1..{MAX_RANK_KEY_CHARS} characters"
+    held = bound.get(rank)
+    if held is None:
+        return None
+    if key is None:
+        return (f"group rank {rank} is held by a rallypoint rank that identifies itself with a rank key; "
+                "a caller without it may not speak for that rank")
+    if not hmac.compare_digest(held.encode(), key.encode()):
+        return (f"group rank {rank} is held by another process (a different rank key); two processes claim "
+                "the same group rank, or a rank restarted without its replica group: restart the whole group")
+    return None
+
+
+def _new_future() -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    # A failure nobody is left waiting for (every rank gave up) is not worth a warning.
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
+@dataclass
+class CommitRound:
+    """The votes of one step, and the decision every voter waits on."""
+
+    votes: dict[int, bool] = field(default_factory=dict)
+    decision: asyncio.Future = field(default_factory=_new_future)
+
+
+class CommitVotes:
+    """The group's should_commit rounds (used on the server's event loop only).
+
+    ``superseded(old, new)`` builds the exception given to the waiters of an older step
+    that can never be decided once step ``new`` is."""
+
+    def __init__(self, world_size: int, label: str, superseded: Callable[[int, int], Exception]) -> None:
+        self.world_size = world_size
+        self.label = label
+        self.rounds: dict[int, CommitRound] = {}
+        self.decided: dict[int, bool] = {}
+        self._superseded = superseded
+
+    def forget_decisions(self) -> None:
+        """A new quorum round is a new attempt: a remembered decision (a failed step being
+        retried) must not answer it."""
+        self.decided.clear()
+
+    async def vote(self, rank: int, step: int, vote: bool) -> bool:
+        """Count ``rank``'s vote for ``step`` and wait for the group's decision.
+        Cancelling the caller withdraws an undecided vote."""
+        if step in self.decided:
+            return self.decided[step]
+        rnd = self.rounds.get(step)
+        if rnd is None:
+            rnd = self.rounds[step] = CommitRound()
+        # A False stands: a later True for the same rank and step (a retry, or a forged
+        # vote) cannot turn a failed step into a committed one.
+        rnd.votes[rank] = rnd.votes.get(rank, True) and vote
+        if len(rnd.votes) == self.world_size:
+            self._decide(step, rnd)
+        try:
+            return await asyncio.shield(rnd.decision)
+        except asyncio.CancelledError:
+            if not rnd.decision.done() and self.rounds.get(step) is rnd:
+                rnd.votes.pop(rank, None)
+                if not rnd.votes:
+                    del self.rounds[step]
+            raise
+
+    def _decide(self, step: int, rnd: CommitRound) -> None:
+        decision = all(rnd.votes.values())
+        del self.rounds[step]
+        self.decided[step] = decision
+        while len(self.decided) > DECIDED_KEEP:
+            del self.decided[min(self.decided)]
+        log.info("[%s] should_commit for step %d: %s (votes %s)", self.label, step, decision, dict(sorted(rnd.votes.items())))
+        rnd.decision.set_result(decision)
+        # Older undecided rounds can never be used now: release their waiters.
+        for old in [s for s in self.rounds if s < step]:
+            stale = self.rounds.pop(old)
+            if not stale.decision.done():
+                stale.decision.set_exception(self._superseded(old, step))
+
+    def fail_all(self, exc_for: Callable[[], Exception]) -> None:
+        for rnd in self.rounds.values():
+            if not rnd.decision.done():
+                rnd.decision.set_exception(exc_for())
+        self.rounds.clear()
+
+
+__all__ = ["DECIDED_KEEP", "MAX_RANK_KEY_CHARS", "RANK_KEY_HEADER", "CommitRound", "CommitVotes", "claim_rank",
+           "new_rank_key"]
