@@ -444,3 +444,31 @@ def test_http_service_stop_is_bounded_with_open_request() -> None:
         return elapsed
 
     assert run(go) < 2.5
+
+
+def test_silent_and_half_request_clients_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that connects and sends nothing, or half a request head, is closed after
+    the head timeout (uvicorn alone would hold it forever); a real request still works."""
+    import socket
+    import time
+
+    import rallypoint.lighthouse.http as lh_http
+    from rallypoint.lighthouse.server import LighthouseServer
+
+    monkeypatch.setattr(lh_http, "HEAD_TIMEOUT_S", 0.5)
+    lh = LighthouseServer(bind="127.0.0.1:0", http_bind="127.0.0.1:0")
+    try:
+        port = int(lh.http_address().rsplit(":", 1)[1])  # type: ignore[union-attr]
+        silent = socket.create_connection(("127.0.0.1", port), timeout=5)
+        half = socket.create_connection(("127.0.0.1", port), timeout=5)
+        half.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        assert silent.recv(1) == b"" and half.recv(1) == b""
+        assert time.monotonic() - t0 < 3.0
+        silent.close()
+        half.close()
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as ok:
+            ok.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert ok.recv(100).startswith(b"HTTP/1.1 200")
+    finally:
+        lh.shutdown()

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -82,19 +82,19 @@ class Faulty(HTTPTransport):
         self.release = threading.Event()
         super().__init__(*a, **kw)
 
-    async def _pieces(self, served: Any, start: int, end: int, with_header: bool) -> AsyncIterator[memoryview]:
+    def _pieces(self, served: Any, start: int, end: int, with_header: bool) -> Iterator[memoryview]:
         self.requests += 1
         faulty = self.requests <= self.faults
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
             first = True
-            async for piece in super()._pieces(served, start, end, with_header):
+            for piece in super()._pieces(served, start, end, with_header):
                 if self.mode == "slow":
-                    await asyncio.sleep(0.05)
+                    time.sleep(0.05)
                 if faulty and self.mode == "stall":
-                    while not self.release.is_set() and not served.aborted:
-                        await asyncio.sleep(0.02)
+                    while not self.release.wait(0.02) and not served.aborted:
+                        pass
                 if faulty and self.mode == "truncate":
                     yield piece[: piece.nbytes // 2]
                     raise RuntimeError("injected: connection dropped mid-body")
@@ -333,7 +333,7 @@ def test_shutdown_stops_threads_and_port(transports: Callable[..., HTTPTransport
 CHILD = (
     STATE_CODE
     + """
-import asyncio, json, sys, time
+import json, sys, time
 from datetime import timedelta
 from rallypoint.transports.http import HTTPTransport
 
@@ -341,12 +341,12 @@ class Slow(HTTPTransport):
     # sleeps before each piece once the parent wrote a line to stdin
     announced = False
     delay = 0.0
-    async def _pieces(self, served, start, end, with_header):
-        async for piece in super()._pieces(served, start, end, with_header):
+    def _pieces(self, served, start, end, with_header):
+        for piece in super()._pieces(served, start, end, with_header):
             if Slow.delay and not Slow.announced:
                 Slow.announced = True
                 print("STREAMING", flush=True)
-            await asyncio.sleep(Slow.delay)
+            time.sleep(Slow.delay)
             yield piece
 
 t = Slow(timedelta(seconds=30), 4, bind="127.0.0.1:0", block=16 << 10, max_chunk_bytes=64 << 10)
@@ -530,8 +530,8 @@ def test_shutdown_without_waiting_ends_cleanly(caplog: pytest.LogCaptureFixture)
     socket from under the running server: no crash is logged, the port is released."""
     t = HTTPTransport(timeout=TEN, bind="127.0.0.1:0")
     t.shutdown(wait=False)
-    t._thread.join(10)
-    assert not t._thread.is_alive()
+    t._server._acceptor.join(10)
+    assert not t._server.alive()
     assert not [r for r in caplog.records if "crashed" in r.getMessage()], caplog.text
     assert t._sock.fileno() == -1
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
@@ -300,6 +301,57 @@ class _EmbeddedServer(uvicorn.Server):
         return None
 
 
+#: A connection must send a complete request head within this (also after each response).
+HEAD_TIMEOUT_S = 10.0
+#: Connections served at once; more are closed as they arrive.
+MAX_CONNECTIONS = 256
+
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with the two bounds it lacks: a client that connects
+    and sends nothing, or half a request head, is dropped after :data:`HEAD_TIMEOUT_S`
+    (uvicorn would hold it forever, and enough of them exhaust the lighthouse's file
+    descriptors, gRPC port included), and at most :data:`MAX_CONNECTIONS` are open."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > MAX_CONNECTIONS:
+            logger.warning("lighthouse HTTP endpoint: %d connections open; closing a new one", len(self.connections))
+            transport.close()
+            return
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timeout)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._disarm()  # a whole request head arrived; the app answers it
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
 def _parse_bind(bind: str) -> tuple[str, int]:
     """(host, port) of a bind address; ``*`` means every interface, https is refused."""
     if bind.strip().lower().startswith("https://"):
@@ -396,6 +448,7 @@ class HttpService:
             # to whatever logging the lighthouse set up.
             log_config=None,
             ws="none",
+            http=_GuardedH11,
             server_header=False,
             **(uvicorn_ssl_kwargs(tls) if tls is not None else {}),
         )

@@ -3,11 +3,11 @@
 * :mod:`.wire` - the safe wire format (JSON header + raw tensor bytes; never unpickles).
 * :class:`CheckpointTransport` - the interface (torchft's names); :class:`CheckpointTransportLike`
   the Protocol a user's or torchft's transport satisfies structurally.
-* :class:`HTTPTransport` - uvicorn/FastAPI server thread, httpx client, parallel ranges.
+* :class:`HTTPTransport` - a small threaded HTTP/1.1 server, httpx client, parallel ranges.
 * :class:`PGTransport` - send/recv over a (reconfigurable) process group.
 
 ``HTTPTransport`` is imported lazily so ``import rallypoint.transports.wire`` does not pull
-in uvicorn and FastAPI.
+in httpx.
 """
 
 from __future__ import annotations

@@ -1,21 +1,20 @@
 """HTTPTransport: serve a state dict over HTTP in the safe wire format, fetch it in parallel.
 
-Sender: a FastAPI app served by uvicorn on its own asyncio loop in a background thread.
-``send_checkpoint`` encodes the state dict once (checksums computed, device or
-non-contiguous tensors copied to contiguous host memory; contiguous CPU tensors are *not*
-copied) and serves exactly that step until ``disallow_checkpoint``. Routes::
+Sender: a small threaded HTTP/1.1 server (:mod:`._http_serve`; one thread per connection,
+no web framework to import). ``send_checkpoint`` encodes the state dict once (checksums
+computed, device or non-contiguous tensors copied to contiguous host memory; contiguous CPU
+tensors are *not* copied) and serves exactly that step until ``disallow_checkpoint``. Routes::
 
     GET /checkpoint/{step}/header               prefix + JSON header (wire.py)
     GET /checkpoint/{step}/data?start=S&end=E   data bytes [S, E), cut at checksum blocks
     GET /checkpoint/{step}/full                 the whole wire stream (one connection)
 
-Bodies are written by our own ASGI response straight from memoryviews of the tensors, so
-neither FastAPI nor a thread pool copies them (uvicorn's h11 framing copies each 1 MiB
-piece once into the socket buffer). An older step than the served one gets 409 naming
-it; nothing served, or only an older step, gets 404 (a receiver asks again: the sender
-may not have published yet), and a
-step that was served and withdrawn gets 410 (it will not come back); a wrong or missing
-bearer token gets 401 before anything else.
+Bodies are written with ``sendall`` straight from memoryviews of the tensors (no copy in
+Python; over TLS each connection's thread encrypts its own range). An older step than
+the served one gets 409 naming it; nothing served, or only an older step, gets 404 (a
+receiver asks again: the sender may not have published yet), and a step that was served
+and withdrawn gets 410 (it will not come back); a wrong or missing bearer token gets 401
+before anything else; a parameter that is not an integer gets 422.
 
 Receiver: httpx. It reads the header, allocates the destination tensors (wire.Sink: fresh
 ones, or the caller's own with ``into=``), splits the data into ``num_chunks`` or more
@@ -43,7 +42,6 @@ tensors) plus, with ``into=`` and ``in_place=False``, the target until the copy.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
 import contextlib
 import io
@@ -52,21 +50,18 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import httpx
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response
 
 from rallypoint._net.auth import bearer_matches, job_token
 from rallypoint._net.addr import is_loopback
 from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES
-from rallypoint._net.tls import TlsConfig, check_server, client_ssl_context, tls_config, uvicorn_ssl_kwargs
+from rallypoint._net.tls import TlsConfig, check_server, client_ssl_context, server_ssl_context, tls_config
 from rallypoint.transports import wire
-from rallypoint.transports._http_serve import _BodyResponse, _EmbeddedServer, _Served
+from rallypoint.transports._http_serve import CheckpointServer, Reply, Request, _Served, int_param
 from rallypoint.transports._http_util import (
     SourceRefused,
     TransferError,
@@ -81,10 +76,8 @@ from rallypoint.transports.base import CheckpointTransport
 
 logger = logging.getLogger("rallypoint.transports.http")
 
-#: Largest piece written per ASGI message: bounds uvicorn's copy and lets an abort land fast.
+#: Largest piece written per sendall: lets an abort land fast.
 SEND_PIECE = 1 << 20
-#: How long start() waits for uvicorn to accept connections.
-START_TIMEOUT_S = 10.0
 
 
 class HTTPTransport(CheckpointTransport[Any]):
@@ -109,6 +102,11 @@ class HTTPTransport(CheckpointTransport[Any]):
             publishes only when its training thread reaches a safe point, so a receiver
             may arrive first. ``timedelta(0)``: refuse at the first 404.
     """
+
+    #: A connection must finish its TLS handshake and each request head within this.
+    HEADER_TIMEOUT_S = 10.0
+    #: Connections served at once (receivers open ``num_chunks`` each); more are closed.
+    MAX_CONNECTIONS = 64
 
     def __init__(
         self,
@@ -149,127 +147,70 @@ class HTTPTransport(CheckpointTransport[Any]):
         host, _, port = bind.rpartition(":")
         host = host.strip("[]")
         check_server(self._tls, "the checkpoint server", host, self._token, is_loopback(host))
-        ssl_kwargs = uvicorn_ssl_kwargs(self._tls)
-        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets created with it, and
-        # without it every response waits ~40 ms for a delayed ACK (Nagle).
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
-                                   socket.IPPROTO_TCP)
+        server_ctx = server_ssl_context(self._tls)  # None for clear text; fails here naming the files
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, int(port)))
         self._sock.listen(128)
-        self._sock.setblocking(False)
         self._port = int(self._sock.getsockname()[1])
         if advertise_host is None:
             advertise_host = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
         shown = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
         self._url = f"{self._tls.scheme()}://{shown}:{self._port}"
-        config = uvicorn.Config(
-            self._app(),
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            log_config=None,
-            ws="none",
-            timeout_graceful_shutdown=2,
-            **ssl_kwargs,
-        )
-        self._server = _EmbeddedServer(config)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=f"rallypoint-http-transport:{self._port}", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.shutdown()
-                raise RuntimeError(f"checkpoint HTTP server on {bind} did not start within {START_TIMEOUT_S:.0f} s")
-            time.sleep(0.005)
+        self._server = CheckpointServer(self._sock, self._route, ssl_context=server_ctx, name=f"checkpoint:{self._port}",
+                                        header_timeout=self.HEADER_TIMEOUT_S, max_connections=self.MAX_CONNECTIONS)
         logger.info("checkpoint HTTP transport serving on %s", self._url)
 
     # ------------------------------------------------------------------ serving side
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._server.serve(sockets=[self._sock]))
-        except Exception:
-            logger.exception("checkpoint HTTP server on %s crashed", self._url)
-        finally:
-            self._loop.close()
-            with contextlib.suppress(OSError):
-                self._sock.close()
-
     def _authorized(self, request: Request) -> bool:
         return self._token is None or bearer_matches(request.headers.get("authorization"), self._token)
 
-    def _lookup(self, request: Request, step: int) -> _Served | Response:
-        if not self._authorized(request):
-            return PlainTextResponse(
-                "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
-                status_code=401,
-                headers={"www-authenticate": "Bearer"},
-            )
+    def _lookup(self, step: int) -> _Served | Reply:
         served = self._served
         if served is None and self._withdrawn is not None and step <= self._withdrawn:
-            return PlainTextResponse(
+            return Reply(
+                410,
                 f"the checkpoint of step {self._withdrawn} was withdrawn (the sender's step ended); "
                 "heal again in the next quorum",
-                status_code=410,
             )
         if served is None:
-            return PlainTextResponse(
-                f"no checkpoint is being served (asked for step {step}); this replica is not sending now",
-                status_code=404,
-            )
+            return Reply(404, f"no checkpoint is being served (asked for step {step}); this replica is not sending now")
         if served.step < step:
             # An older offer is still up (a copy served on the training thread stays until
             # the sender's next step): step ``step`` may not be published yet.
-            return PlainTextResponse(
-                f"serving the checkpoint of step {served.step}; step {step} is not published yet",
-                status_code=404,
-            )
+            return Reply(404, f"serving the checkpoint of step {served.step}; step {step} is not published yet")
         if served.step != step:
-            return PlainTextResponse(
-                f"serving the checkpoint of step {served.step}, not step {step}", status_code=409
-            )
+            return Reply(409, f"serving the checkpoint of step {served.step}, not step {step}")
         return served
 
-    async def _pieces(self, served: _Served, start: int, end: int, with_header: bool) -> AsyncIterator[memoryview]:
+    def _pieces(self, served: _Served, start: int, end: int, with_header: bool) -> Iterator[memoryview]:
         """The body's pieces; tests override this to inject faults."""
         if with_header:
             yield memoryview(served.enc.header)
-        for piece in served.enc.iter_data(start, end, SEND_PIECE):
-            yield piece
+        yield from served.enc.iter_data(start, end, SEND_PIECE)
 
-    def _app(self) -> FastAPI:
-        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-
-        @app.get("/checkpoint/{step}/header")
-        async def header(request: Request, step: int) -> Response:
-            served = self._lookup(request, step)
-            if isinstance(served, Response):
-                return served
-            return Response(served.enc.header, media_type="application/octet-stream")
-
-        @app.get("/checkpoint/{step}/data")
-        async def data(request: Request, step: int, start: int, end: int) -> Response:
-            served = self._lookup(request, step)
-            if isinstance(served, Response):
-                return served
-            if not 0 <= start <= end <= served.enc.data_bytes:
-                return PlainTextResponse(
-                    f"range [{start}, {end}) outside the data of {served.enc.data_bytes} bytes", status_code=416
-                )
-            return _BodyResponse(served, self._pieces(served, start, end, False), end - start)
-
-        @app.get("/checkpoint/{step}/full")
-        async def full(request: Request, step: int) -> Response:
-            served = self._lookup(request, step)
-            if isinstance(served, Response):
-                return served
-            enc = served.enc
-            return _BodyResponse(served, self._pieces(served, 0, enc.data_bytes, True), enc.stream_bytes)
-
-        return app
+    def _route(self, request: Request) -> Reply:
+        """``GET /checkpoint/{step}/{header,data,full}``: the token first, then the step."""
+        if not self._authorized(request):
+            return Reply(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                         {"www-authenticate": "Bearer"})
+        parts = request.parts
+        if len(parts) != 3 or parts[0] != "checkpoint" or parts[2] not in ("header", "data", "full"):
+            return Reply(404, "not found: the routes are /checkpoint/{step}/header, /data?start=&end= and /full")
+        step = int_param({"step": [parts[1]]}, "step")
+        served = self._lookup(step)
+        if isinstance(served, Reply):
+            return served
+        enc = served.enc
+        if parts[2] == "header":
+            return Reply(200, served=served, pieces=iter([memoryview(enc.header)]), length=len(enc.header))
+        if parts[2] == "full":
+            return Reply(200, served=served, pieces=self._pieces(served, 0, enc.data_bytes, True), length=enc.stream_bytes)
+        start, end = int_param(request.query, "start"), int_param(request.query, "end")
+        if not 0 <= start <= end <= enc.data_bytes:
+            return Reply(416, f"range [{start}, {end}) outside the data of {enc.data_bytes} bytes")
+        return Reply(200, served=served, pieces=self._pieces(served, start, end, False), length=end - start)
 
     def metadata(self) -> str:
         """The base URL receivers fetch from (the token is not part of it)."""
@@ -326,22 +267,12 @@ class HTTPTransport(CheckpointTransport[Any]):
         logger.info("stopped serving checkpoint of step %d", served.step)
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop serving and the server thread (joined up to 10 s when ``wait``)."""
+        """Stop serving: close the port and every connection (threads joined up to 10 s when ``wait``)."""
         with self._lock:
             served, self._served = self._served, None
         if served is not None:
             served.aborted = True
-        self._server.should_exit = True
-        if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(10.0)
-            if self._thread.is_alive():
-                self._server.force_exit = True
-                self._thread.join(5.0)
-        if not self._thread.is_alive():
-            # Otherwise the server thread closes it when it ends: closing the socket
-            # under a running uvicorn makes its own shutdown fail.
-            with contextlib.suppress(OSError):
-                self._sock.close()
+        self._server.stop(timeout=10.0 if wait else 0.0)
 
     # ------------------------------------------------------------------ receiving side
 
