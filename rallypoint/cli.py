@@ -1,8 +1,10 @@
 """The ``rallypoint`` command (also ``python -m rallypoint``).
 
 Subcommands: ``lighthouse`` (run the quorum service; drop-in for ``torchft_lighthouse``,
-whose underscore flag spellings are accepted), ``status`` (print the quorum as a
-table), ``kill`` (ask a replica's manager to exit). Nothing here imports torch.
+whose underscore flag spellings are accepted), ``run`` (launch one replica group where
+torchrun was, and restart it when a rank fails; ``rallypoint.supervisor``), ``status``
+(print the quorum as a table), ``kill`` (ask a replica's manager to exit). Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ def _build_parser() -> argparse.ArgumentParser:
     st.add_argument("--lighthouse", default=None, help=f"gRPC or HTTP address (default: $RALLYPOINT_LIGHTHOUSE, $TORCHFT_LIGHTHOUSE or {DEFAULT_LIGHTHOUSE})")
     st.add_argument("--json", action="store_true", help="print the raw status document")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the lighthouse (5)")
+
+    from rallypoint.supervisor.args import add_run_parser
+
+    add_run_parser(sub)
 
     kl = sub.add_parser("kill", help="ask a replica's manager to exit (forwarded by the lighthouse)")
     kl.add_argument("replica_id")
@@ -215,13 +221,19 @@ def _run_kill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_group(args: argparse.Namespace) -> int:
+    from rallypoint.supervisor.supervisor import main as run_main
+
+    return run_main(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handlers = {"lighthouse": _run_lighthouse, "status": _run_status, "kill": _run_kill}
+    handlers = {"lighthouse": _run_lighthouse, "run": _run_group, "status": _run_status, "kill": _run_kill}
     return handlers[args.command](args)
 
 

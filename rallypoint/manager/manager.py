@@ -48,6 +48,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch.distributed import DistNetworkError, DistStoreError, PrefixStore, ReduceOp
 
+from rallypoint.manager import _progress
 from rallypoint.manager._config import ReplicaLog as _ReplicaLog, WorldSizeMode, env as _env, td as _td
 from rallypoint.manager._failfast import FailFast
 from rallypoint.manager._heal import Healer
@@ -519,10 +520,8 @@ class Manager(FailFast):
         except Exception as e:  # noqa: BLE001
             self.report_error(e)
             decision = False
-        self._log.info(
-            "should_commit step %d: %s (local %s, participants %d/%d, error %s)",
-            self._step, decision, local, self._participating_world_size, self._min_replica_size, self.errored(),
-        )
+        self._log.info("should_commit step %d: %s (local %s, participants %d/%d, error %s)", self._step, decision,
+                       local, self._participating_world_size, self._min_replica_size, self.errored())
         if self._served_round != self._round:
             # A copy served on the training thread in this step stays up until the next
             # step: the healing peer may still be fetching it after our vote.
@@ -537,6 +536,7 @@ class Manager(FailFast):
             self._step += 1
             self._batches_committed += self._participating_world_size
             self._commit_failures = 0
+            _progress.committed(self.current_step())  # tells a supervising `rallypoint run`
         else:
             self._commit_failures += 1
             if self._max_retries is not None and self._commit_failures > self._max_retries:

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from datetime import timedelta
 
-from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed import DistNetworkError, PrefixStore, Store, TCPStore
 
 from rallypoint._net.addr import split_host_port
 
@@ -69,7 +69,8 @@ class StoreClients:
     Why: opening a fresh client at every configure costs a connect + handshake and,
     under churn, torch's client occasionally stalls seconds in connect; the server
     (the replica group's store) outlives quorums, so one connection is enough. A
-    failed configure calls :meth:`drop` so a restarted server is reconnected.
+    failed configure calls :meth:`drop` so a restarted server is reconnected, and
+    ``fresh_prefix_store`` reconnects at once when the cached connection is dead.
     """
 
     def __init__(self) -> None:
@@ -114,7 +115,17 @@ def fresh_prefix_store(
     parsed = parse_store_addr(store_addr)
     raw = clients.get(parsed, timeout) if clients is not None else connect_store(parsed, timeout)
     base = configure_prefix(parsed.prefix, quorum_id, group_rank)
-    attempt = raw.add(f"{base}/attempt/r{rank}", 1)
+    try:
+        attempt = raw.add(f"{base}/attempt/r{rank}", 1)
+    except DistNetworkError:
+        if clients is None:
+            raise
+        # A cached connection to a server that has restarted since (``rallypoint run``
+        # gives each incarnation of a group a fresh store at the same address): once more
+        # on a new connection (the dead one cannot have reached the new server).
+        clients.drop()
+        raw = clients.get(parsed, timeout)
+        attempt = raw.add(f"{base}/attempt/r{rank}", 1)
     prefix = f"{base}/a{attempt}"
     logger.debug("store %s:%d prefix %s", parsed.host, parsed.port, prefix)
     return PrefixStore(prefix, raw), prefix

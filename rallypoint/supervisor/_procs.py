@@ -1,0 +1,262 @@
+"""Process plumbing of ``rallypoint run`` (a thin shell; no decisions here): the event
+queue the main loop sleeps on, the lifeline, ``PR_SET_PDEATHSIG``, per-rank output
+pumps with prefixes, a rank process, and the store host's client.
+
+Every child is started from the main thread: ``PR_SET_PDEATHSIG`` fires when the
+*thread* that forked the child ends, so a child forked from a short-lived thread would be
+killed with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO, Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()  # resolved here, not in the forked child
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: the kernel SIGKILLs the child when the supervisor dies (Linux).
+    Only a call through a pre-resolved ctypes function: nothing that takes locks."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class Wakeup:
+    """Events from threads and signal handlers for the main loop: a deque (appending is
+    atomic, so a signal handler may post) plus a self-pipe the loop sleeps on with
+    ``select``. Never a lock: a handler interrupting the main thread while it held one
+    would deadlock."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._events: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._closed = False
+
+    def post(self, *event: Any) -> None:
+        self._events.append(event)
+        if self._closed:
+            return  # the fd number may belong to another file by now
+        try:
+            os.write(self._w, b"!")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full: the loop wakes anyway
+
+    def wait(self, timeout: float | None) -> list[tuple[Any, ...]]:
+        """Posted events, waiting up to ``timeout`` seconds (None: forever) for one."""
+        if not self._events:
+            try:
+                select.select([self._r], [], [], timeout)
+            except InterruptedError:  # pragma: no cover - PEP 475 retries select
+                pass
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class Lifeline:
+    """A pipe whose write end only the supervisor holds; children get the read end and
+    see end-of-file when the supervisor is gone (see ``_rank.py``)."""
+
+    def __init__(self) -> None:
+        self.read_fd, self._write_fd = os.pipe()  # both non-inheritable; pass_fds opens read_fd in a child
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class Pump:
+    """A thread copying a child's pipe to ``dest`` line by line, each line prefixed."""
+
+    def __init__(self, src: IO[bytes], dest: IO[bytes], prefix: str, lock: threading.Lock) -> None:
+        self._src, self._dest, self._prefix, self._lock = src, dest, prefix.encode(), lock
+        self._thread = threading.Thread(target=self._run, name=f"pump {prefix.strip()}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for line in iter(self._src.readline, b""):
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                with self._lock:
+                    try:
+                        self._dest.write(self._prefix + line)
+                        self._dest.flush()
+                    except (OSError, ValueError):
+                        pass  # our own output is gone (a closed pipe): keep draining the child
+        finally:
+            self._src.close()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+class RankProcess:
+    """One rank of one incarnation: its process (own session, so its process group can be
+    killed whole), two output pumps, and a waiter thread that posts
+    ``("exit", incarnation, rank, returncode)`` to ``wakeup``."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], rank: int, incarnation: int, prefix: str,
+                 wakeup: Wakeup, lifeline: Lifeline, outputs: tuple[IO[bytes], IO[bytes]],
+                 locks: tuple[threading.Lock, threading.Lock]) -> None:
+        self.rank, self.incarnation = rank, incarnation
+        self.popen = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(lifeline.read_fd,), start_new_session=True, preexec_fn=die_with_parent,
+        )
+        self.pid = self.popen.pid
+        assert self.popen.stdout is not None and self.popen.stderr is not None
+        self._pumps = [Pump(self.popen.stdout, outputs[0], prefix, locks[0]),
+                       Pump(self.popen.stderr, outputs[1], prefix, locks[1])]
+        self._waiter = threading.Thread(target=lambda: wakeup.post("exit", incarnation, rank, self.popen.wait()),
+                                        name=f"wait rank {rank}", daemon=True)
+        self._waiter.start()
+
+    def signal(self, sig: int, group: bool = False) -> None:
+        """Send ``sig`` to the rank (``group``: to its whole process group) if it runs."""
+        if self.popen.returncode is not None and not group:
+            return  # reaped: the pid may belong to someone else by now
+        try:
+            if group:
+                os.killpg(self.pid, sig)
+            else:
+                os.kill(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def drain(self, timeout: float) -> None:
+        """Let the pumps print its last lines (e.g. a traceback) before we say it failed."""
+        for p in self._pumps:
+            p.join(timeout)
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """After the exit: kill what is left of its process group (children it started),
+        then let the pumps print its last lines."""
+        self.signal(signal.SIGKILL, group=True)
+        self.drain(timeout)
+
+
+class StoreHost:
+    """Client of ``_store_host.py``: start it, read its port, reset it, tell it which process
+    groups to take down if we die, stop it. Its stdin is its lifeline; its stderr goes to
+    ours with ``prefix``."""
+
+    def __init__(self, host: str, port: int, prefix: str, err: IO[bytes], err_lock: threading.Lock,
+                 on_exit: Callable[[int], None], rundir: str) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "rallypoint.supervisor._store_host", host, str(port), rundir],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        )  # no PR_SET_PDEATHSIG: it notices our death by the end of its stdin, and cleans up first
+        self.pid = self.popen.pid
+        assert self.popen.stdout is not None and self.popen.stderr is not None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name="store host stdout", daemon=True).start()
+        self._pump = Pump(self.popen.stderr, err, prefix, err_lock)
+        self._closing = False
+        self._on_exit = on_exit
+        threading.Thread(target=self._wait, name="store host wait", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for raw in self.popen.stdout:
+            self._lines.put(raw.decode("utf-8", "replace").strip())
+        self._lines.put(None)
+
+    def _wait(self) -> None:
+        rc = self.popen.wait()
+        if not self._closing:
+            self._on_exit(rc)
+
+    def port(self, timeout: float) -> int:
+        """The port from its next line; ``RuntimeError`` with its reason when it fails."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"the store host did not answer within {timeout:g}s") from None
+        if line is None:
+            self._pump.join(2.0)
+            raise RuntimeError(f"the store host exited (code {self.popen.wait()}) before it was ready; "
+                               "see its log above")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(msg["error"])
+        return int(msg["port"])
+
+    def _send(self, line: str) -> None:
+        assert self.popen.stdin is not None
+        try:
+            self.popen.stdin.write(line.encode() + b"\n")
+            self.popen.stdin.flush()
+        except OSError as e:
+            raise RuntimeError(f"the store host is gone ({e})") from None
+
+    def reset(self, timeout: float) -> int:
+        """A fresh, empty store on the same port (between incarnations)."""
+        self._send("reset")
+        return self.port(timeout)
+
+    def guard(self, pgids: list[int]) -> None:
+        """The process groups it SIGKILLs if we die (the running ranks'; [] when none)."""
+        try:
+            self._send(" ".join(["guard", *map(str, pgids)]))
+        except RuntimeError:
+            pass  # the main loop learns of its death from its exit event
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        if self.popen.stdin is not None:
+            try:
+                self.popen.stdin.close()  # end of input: it exits
+            except OSError:
+                pass
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(timeout)
+        self._pump.join(timeout)
+
+
+__all__ = ["Lifeline", "Pump", "RankProcess", "StoreHost", "Wakeup", "die_with_parent"]

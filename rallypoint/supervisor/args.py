@@ -1,0 +1,131 @@
+"""``rallypoint run``'s command line: the subparser (torchrun's spellings accepted) and its
+validation into a ``RunConfig``. A bad flag, a missing script or ``--nproc-per-node`` < 1
+is a usage error (exit 2) before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+from rallypoint.supervisor.policy import RestartPolicy
+
+USAGE_EXIT = 2
+
+DESCRIPTION = """\
+Start the ranks of one replica group (where torchrun was) and keep the group running:
+when any rank exits non-zero or by a signal, the others are stopped (SIGTERM, SIGKILL
+after --grace-period) and all ranks start again, with a fresh TORCHELASTIC_RESTART_COUNT,
+after a backoff; the restarted group heals from its peers. The supervisor hosts the
+group's store (MASTER_ADDR/MASTER_PORT) at one address for the whole run, emptied between
+restarts. It gives up (exit 1) after --max-restarts restarts in a row without a committed
+step (a crash loop). SIGTERM or SIGINT stops the ranks (SIGTERM, then SIGKILL after
+--grace-period) and exits 128+signal; the supervisor exits 0 when every rank exited 0.
+A usage error exits 2 before anything starts."""
+
+
+class UsageError(ValueError):
+    """A command line that cannot run; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A validated ``rallypoint run`` command line."""
+
+    nproc: int
+    target: str  # the script's path, or the module's name with ``module``
+    module: bool
+    script_args: list[str] = field(default_factory=list)
+    group_id: str | None = None
+    lighthouse: str | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    grace_s: float = 10.0
+    policy: RestartPolicy = RestartPolicy()
+
+
+def _flag(p: argparse.ArgumentParser, name: str, **kw: object) -> None:
+    """``--a-b`` plus torchrun's ``--a_b`` spelling."""
+    spellings = [f"--{name}"] + ([f"--{name.replace('-', '_')}"] if "-" in name else [])
+    p.add_argument(*spellings, **kw)  # type: ignore[arg-type]
+
+
+def add_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``run`` subcommand to the ``rallypoint`` parser."""
+    p = sub.add_parser("run", help="launch one replica group and restart it when a rank fails (replaces torchrun)",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = RestartPolicy()
+    _flag(p, "nproc-per-node", type=int, default=1, metavar="N", help="ranks in this replica group (1)")
+    _flag(p, "replica-group-id", default=os.environ.get("REPLICA_GROUP_ID"), metavar="ID",
+          help="this group's REPLICA_GROUP_ID (default: $REPLICA_GROUP_ID)")
+    _flag(p, "lighthouse", default=None, metavar="ADDR",
+          help="the lighthouse's gRPC address, as RALLYPOINT_LIGHTHOUSE (default: the environment's)")
+    _flag(p, "max-restarts", type=int, default=d.max_restarts, metavar="K",
+          help=f"give up after K restarts in a row without a committed step ({d.max_restarts})")
+    _flag(p, "restart-backoff", type=float, default=d.backoff_s, metavar="S",
+          help=f"seconds before a restart, doubled per restart without progress ({d.backoff_s:g})")
+    _flag(p, "restart-backoff-cap", type=float, default=d.backoff_cap_s, metavar="S",
+          help=f"the longest backoff ({d.backoff_cap_s:g})")
+    _flag(p, "min-healthy-s", type=float, default=d.min_healthy_s, metavar="S",
+          help="for scripts that report no committed steps (no Manager): an incarnation that ran this "
+               f"long counts as progress ({d.min_healthy_s:g})")
+    _flag(p, "grace-period", type=float, default=10.0, metavar="S",
+          help="seconds between SIGTERM and SIGKILL when stopping ranks (10)")
+    _flag(p, "master-addr", default="127.0.0.1", metavar="HOST",
+          help="MASTER_ADDR the ranks reach the group's store at (127.0.0.1; it listens on every interface)")
+    _flag(p, "master-port", type=int, default=0, metavar="PORT", help="the store's port (0: one the OS picks)")
+    p.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility; no effect")
+    p.add_argument("--nnodes", default="1", help="accepted for torchrun compatibility; must be 1")
+    p.add_argument("-m", "--module", action="store_true", help="run the target as a module, as python -m does")
+    p.add_argument("target", metavar="script.py", help="the training script (or module, with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+def _check_target(target: str, module: bool) -> None:
+    if module:
+        # Only the top-level package: finding a submodule imports its parents (maybe torch).
+        top = target.split(".", 1)[0]
+        if not top or importlib.util.find_spec(top) is None:
+            raise UsageError(f"no module named {top!r} (from -m {target}); is it installed, or on PYTHONPATH?")
+        return
+    if not os.path.isfile(target):
+        what = "is a directory" if os.path.isdir(target) else "does not exist"
+        raise UsageError(f"script {target!r} {what} (relative to {os.getcwd()}); pass the path of a Python file, "
+                         "or -m module")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Validate the parsed command line; ``UsageError`` names the problem."""
+    if args.nproc_per_node < 1:
+        raise UsageError(f"--nproc-per-node must be at least 1, not {args.nproc_per_node}")
+    if str(args.nnodes) not in ("1", "1:1"):
+        raise UsageError(f"--nnodes {args.nnodes}: rallypoint run starts the ranks of one replica group on one host; "
+                         "run one `rallypoint run` per replica group (each its own --replica-group-id)")
+    if not 0 <= args.master_port <= 65535:
+        raise UsageError(f"--master-port {args.master_port} is not in 0..65535")
+    for flag, value in (("--max-restarts", args.max_restarts), ("--restart-backoff", args.restart_backoff),
+                        ("--restart-backoff-cap", args.restart_backoff_cap), ("--min-healthy-s", args.min_healthy_s),
+                        ("--grace-period", args.grace_period)):
+        if value < 0:
+            raise UsageError(f"{flag} must not be negative, not {value}")
+    if args.replica_group_id is not None and not str(args.replica_group_id).strip():
+        raise UsageError("--replica-group-id is empty")
+    _check_target(args.target, args.module)
+    return RunConfig(
+        nproc=args.nproc_per_node,
+        target=args.target,
+        module=args.module,
+        script_args=list(args.script_args),
+        group_id=args.replica_group_id,
+        lighthouse=args.lighthouse,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        grace_s=args.grace_period,
+        policy=RestartPolicy(max_restarts=args.max_restarts, backoff_s=args.restart_backoff,
+                             backoff_cap_s=args.restart_backoff_cap, min_healthy_s=args.min_healthy_s),
+    )
+
+
+__all__ = ["RunConfig", "USAGE_EXIT", "UsageError", "add_run_parser", "config_from_args"]

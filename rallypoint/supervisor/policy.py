@@ -1,0 +1,122 @@
+"""The supervisor's decisions, as pure functions over plain data (no clock reads, no
+processes): how a group incarnation ended, whether it made progress, whether and when to
+restart it, and the crash-loop rule. ``tests/test_supervisor.py`` calls them with tables.
+
+Vocabulary: an *incarnation* is one start of all the group's ranks (numbered from 0, the
+``TORCHELASTIC_RESTART_COUNT`` its ranks see). The group is the unit of failure: one rank
+that fails ends the incarnation, and the next one starts every rank afresh.
+
+Seam for the hang watchdog (not built yet): a hung rank will end its incarnation with a
+cause of its own (``hang``), decided here from progress reports and timestamps the shell
+passes in, and then follow the same restart rules as a crash.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+RUNNING, DONE, FAILED = "running", "done", "failed"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """``max_restarts``: how many consecutive restarts without progress are allowed before
+    the supervisor gives up (a crash loop: a bad host, a broken script). ``backoff_s``: the
+    wait before the first such restart, doubled for each further one and capped at
+    ``backoff_cap_s``. ``min_healthy_s``: for scripts that never report a committed step
+    (no ``Manager``), an incarnation that lived this long counts as progress."""
+
+    max_restarts: int = 5
+    backoff_s: float = 0.5
+    backoff_cap_s: float = 30.0
+    min_healthy_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do after a failed incarnation. ``streak``: consecutive failed incarnations
+    without progress, this one included (0 when it made progress)."""
+
+    restart: bool
+    backoff_s: float
+    streak: int
+    reason: str
+
+
+def describe_exit(returncode: int) -> str:
+    """``exit code 3`` / ``signal SIGKILL`` (Popen reports a signal as ``-signum``)."""
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def group_state(returncodes: Sequence[int | None]) -> str:
+    """``done`` when every rank exited 0, ``failed`` as soon as one exited otherwise
+    (non-zero or by a signal), else ``running`` (``None``: still running)."""
+    if any(rc is not None and rc != 0 for rc in returncodes):
+        return FAILED
+    if all(rc == 0 for rc in returncodes):
+        return DONE
+    return RUNNING
+
+
+def made_progress(committed: bool, uptime_s: float, reports_seen: bool, policy: RestartPolicy) -> bool:
+    """Did an incarnation make progress? A committed step (the ``Manager`` reports each
+    one) always counts. Uptime counts only for scripts that never reported a step in any
+    incarnation (``reports_seen`` false): for a script that does report, hours spent
+    without a commit (a host that cannot join, a stuck rendezvous) are no progress."""
+    if committed:
+        return True
+    return not reports_seen and uptime_s >= policy.min_healthy_s
+
+
+def backoff(policy: RestartPolicy, streak: int) -> float:
+    """The wait before a restart: ``backoff_s`` after an incarnation that made progress
+    (``streak`` 0) or after the first one that did not, doubling per further one, capped."""
+    n = max(0, streak - 1)
+    return min(policy.backoff_cap_s, policy.backoff_s * (2.0 ** min(n, 60)))
+
+
+def after_failure(policy: RestartPolicy, streak_before: int, progressed: bool) -> Decision:
+    """The restart rule. A failed incarnation that made progress resets the streak and is
+    restarted; one that did not extends it, and once the streak exceeds ``max_restarts``
+    (that many restarts in a row brought nothing) the supervisor gives up. So
+    ``max_restarts`` 0 restarts only after incarnations that made progress."""
+    streak = 0 if progressed else streak_before + 1
+    if streak > policy.max_restarts:
+        return Decision(
+            restart=False, backoff_s=0.0, streak=streak,
+            reason=(f"crash loop: {streak} incarnation(s) in a row failed without progress (no committed step; "
+                    f"--max-restarts {policy.max_restarts})"),
+        )
+    return Decision(
+        restart=True, backoff_s=backoff(policy, streak), streak=streak,
+        reason="made progress" if progressed else f"no progress: restart {streak} of at most {policy.max_restarts} in a row",
+    )
+
+
+def first_failure(exits: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """The ``(rank, returncode)`` that ended an incarnation: the first non-zero exit in the
+    order the supervisor saw them (later ones are usually the group being stopped)."""
+    for rank, rc in exits:
+        if rc != 0:
+            return rank, rc
+    return None
+
+
+def stop_exit_code(signum: int) -> int:
+    """The supervisor's exit code after a requested stop (SIGTERM/SIGINT): ``128 + signum``
+    as a shell reports a process killed by that signal (143, 130), so a scheduler can tell
+    "stopped" from "finished" (0)."""
+    return 128 + signum
+
+
+__all__ = [
+    "DONE", "FAILED", "RUNNING", "Decision", "RestartPolicy", "after_failure", "backoff", "describe_exit",
+    "first_failure", "group_state", "made_progress", "stop_exit_code",
+]

@@ -1,0 +1,306 @@
+"""``rallypoint run``'s main loop, a thin shell around ``policy.py``: start the store host,
+start every rank, watch them, and when one fails stop the others and start the group again
+(or give up on a crash loop); stop on SIGTERM/SIGINT.
+
+Everything happens on the main thread, which sleeps on one event queue (``Wakeup``): rank
+exits (from a waiter thread per rank), signals, the store host's death. Each restart is
+one structured log line, ``{"event": "restart", ...}``: the failed rank, its cause (exit
+code or signal), the incarnations, its uptime, whether it made progress, the backoff and
+the time from the failure to the new ranks' start (``restart_s``).
+
+Exit codes: 0 when every rank exited 0; 128+signal after a requested stop (143 for SIGTERM,
+130 for SIGINT); 1 after a crash loop (``--max-restarts``) or when the store cannot be
+hosted; 2 for a usage error (nothing started).
+
+Seams: warm standbys replace ``_start_rank`` (a started bootstrap that waits instead of a
+new process, see ``_rank.py``); the hang watchdog gives ``_watch`` a deadline (the
+progress files already say when each rank last committed) and ends an incarnation with a
+cause of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import IO, Any
+
+from rallypoint.supervisor._procs import Lifeline, RankProcess, StoreHost, Wakeup
+from rallypoint.supervisor.args import USAGE_EXIT, RunConfig, UsageError, config_from_args
+from rallypoint.supervisor.envs import GroupSpec, log_prefix, rank_env
+from rallypoint.supervisor.policy import (
+    DONE, FAILED, after_failure, describe_exit, first_failure, group_state, made_progress, stop_exit_code,
+)  # fmt: skip
+
+log = logging.getLogger("rallypoint.run")
+
+GAVE_UP_EXIT = 1
+STORE_READY_S = 60.0  # the store host imports torch first
+KILL_WAIT_S = 10.0  # after SIGKILL, for the kernel to reap
+
+
+@dataclass(frozen=True)
+class _End:
+    """How an incarnation ended: ``done``, ``failed`` (``rank``, ``returncode``),
+    ``signal`` (``signum``: a stop was requested) or ``store`` (the store host died)."""
+
+    kind: str
+    rank: int = -1
+    returncode: int = 0
+    signum: int = 0
+
+
+class Supervisor:
+    """Runs one replica group until it finishes, is stopped, or crash-loops."""
+
+    def __init__(self, cfg: RunConfig, environ: Mapping[str, str] | None = None,
+                 out: IO[bytes] | None = None, err: IO[bytes] | None = None) -> None:
+        self.cfg = cfg
+        self._environ = dict(os.environ if environ is None else environ)
+        self._outputs = (out or sys.stdout.buffer, err or sys.stderr.buffer)
+        self._locks = (threading.Lock(), threading.Lock())
+        self._wake = Wakeup()
+        self._lifeline = Lifeline()
+        self._rundir = tempfile.mkdtemp(prefix="rallypoint-run-")
+        self._store: StoreHost | None = None
+        self._ranks: list[RankProcess] = []
+        self._stop_signal = 0
+        self._streak = 0  # consecutive failed incarnations without progress
+        self._reports_seen = False  # has any incarnation reported a committed step?
+        self._name = "replica group" + (f" {cfg.group_id}" if cfg.group_id is not None else "")
+
+    # ------------------------------------------------------------------ outer shell
+    def run(self) -> int:
+        handlers: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run()
+        finally:
+            self._kill_all()
+            if self._store is not None:
+                self._store.close()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            self._lifeline.close()
+            self._wake.close()
+            shutil.rmtree(self._rundir, ignore_errors=True)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._wake.post("signal", signum)
+
+    def _event(self, kind: str, level: int = logging.INFO, **fields: Any) -> None:
+        log.log(level, "%s", json.dumps({"event": kind, "group": self.cfg.group_id, **fields}))
+
+    def _progress_path(self, incarnation: int, rank: int) -> str:
+        return os.path.join(self._rundir, f"progress.{incarnation}.{rank}")
+
+    def _committed(self, incarnation: int) -> bool:
+        """Did any rank of ``incarnation`` report a committed step?"""
+        return any(os.path.exists(self._progress_path(incarnation, r)) for r in range(self.cfg.nproc))
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> int:
+        cfg = self.cfg
+        try:
+            self._store = StoreHost(cfg.master_addr, cfg.master_port, log_prefix(cfg.group_id, "store"),
+                                    self._outputs[1], self._locks[1],
+                                    on_exit=lambda rc: self._wake.post("store_exit", rc), rundir=self._rundir)
+            port = self._store.port(STORE_READY_S)
+        except (OSError, RuntimeError, ValueError) as e:
+            log.error("%s: cannot host the group's store: %s", self._name, e)
+            return 1
+        spec = GroupSpec(cfg.nproc, cfg.master_addr, port, cfg.group_id, cfg.lighthouse, cfg.policy.max_restarts)
+        log.info("%s: %d rank(s) of %s, store %s:%d, lighthouse %s", self._name, cfg.nproc, cfg.target,
+                 cfg.master_addr, port, cfg.lighthouse or "from the environment")
+        incarnation, restart = 0, None
+        while True:
+            if self._store.popen.returncode is not None:
+                log.error("%s: the store host exited (code %s); stopping", self._name, self._store.popen.returncode)
+                return 1
+            started = time.monotonic()
+            self._ranks = []
+            try:
+                for r in range(cfg.nproc):
+                    self._ranks.append(self._start_rank(spec, r, incarnation))
+            except OSError as e:
+                log.error("%s: cannot start rank %d: %s", self._name, len(self._ranks), e)
+                return 1
+            self._store.guard([r.pid for r in self._ranks])
+            if restart is not None:
+                failed_at = restart.pop("t")
+                self._event("restart", logging.WARNING, **restart, restart_s=round(started - failed_at, 3))
+            end = self._watch(incarnation)
+            if end.kind == "signal":
+                self._stop_signal = end.signum
+                self._stop_ranks()
+                return self._stopped()
+            if end.kind == "done":
+                self._finish_ranks()
+                log.info("%s: every rank exited 0 (incarnation %d)", self._name, incarnation)
+                return 0
+            if end.kind == "store":
+                log.error("%s: the store host exited (code %d); stopping the ranks", self._name, end.returncode)
+                self._stop_ranks()
+                return 1
+            outcome = self._after_failure(end, incarnation, started)
+            if isinstance(outcome, int):
+                return outcome
+            restart, incarnation = outcome, incarnation + 1
+
+    def _after_failure(self, end: _End, incarnation: int, started: float) -> int | dict[str, Any]:
+        """A rank failed: stop the others, apply the restart rule, reset the store and
+        wait out the backoff. An exit code, or the facts of the restart to log."""
+        failed_at = time.monotonic()
+        uptime, cause = failed_at - started, describe_exit(end.returncode)
+        self._ranks[end.rank].drain(0.5)
+        log.warning("%s: rank %d failed (%s) %.1fs into incarnation %d; stopping the other ranks",
+                    self._name, end.rank, cause, uptime, incarnation)
+        self._stop_ranks()
+        committed = self._committed(incarnation)
+        self._reports_seen = self._reports_seen or committed
+        progressed = made_progress(committed, uptime, self._reports_seen, self.cfg.policy)
+        decision = after_failure(self.cfg.policy, self._streak, progressed)
+        self._streak = decision.streak
+        if self._stop_signal:
+            return self._stopped()
+        facts = {"incarnation": incarnation + 1, "failed_incarnation": incarnation, "rank": end.rank,
+                 "cause": cause, "exit_code": end.returncode if end.returncode >= 0 else None,
+                 "signal": cause.split()[1] if end.returncode < 0 else None,
+                 "uptime_s": round(uptime, 3), "progress": progressed, "streak": decision.streak}
+        if not decision.restart:
+            self._event("gave_up", logging.ERROR, **{k: v for k, v in facts.items() if k != "incarnation"})
+            log.error("rallypoint run: giving up on %s: %s; the last failure was rank %d (%s) %.1fs after its "
+                      "start. See the ranks' output above, fix the cause and start the group again.",
+                      self._name, decision.reason, end.rank, cause, uptime)
+            return GAVE_UP_EXIT
+        assert self._store is not None
+        try:
+            self._store.reset(STORE_READY_S)  # fresh keys, same address
+        except (RuntimeError, ValueError) as e:
+            log.error("%s: cannot reset the group's store: %s", self._name, e)
+            return 1
+        log.info("%s: restarting in %.2fs (%s)", self._name, decision.backoff_s, decision.reason)
+        if self._sleep(decision.backoff_s):
+            return self._stopped()
+        return {**facts, "backoff_s": round(decision.backoff_s, 3), "t": failed_at}
+
+    def _start_rank(self, spec: GroupSpec, rank: int, incarnation: int) -> RankProcess:
+        """A new process for ``rank``. Seam for warm standbys: a pool hands out a started
+        ``_rank`` bootstrap here instead, and starts its replacement in the background."""
+        cfg = self.cfg
+        argv = [sys.executable, "-m", "rallypoint.supervisor._rank", *(["-m"] if cfg.module else []),
+                cfg.target, *cfg.script_args]
+        env = rank_env(self._environ, spec, rank, incarnation, self._progress_path(incarnation, rank),
+                       self._lifeline.read_fd)
+        return RankProcess(argv, env, rank, incarnation, log_prefix(cfg.group_id, rank), self._wake,
+                           self._lifeline, self._outputs, self._locks)
+
+    def _watch(self, incarnation: int) -> _End:
+        """Until the incarnation ends. Seam for the hang watchdog: a deadline on this wait."""
+        codes: list[int | None] = [None] * self.cfg.nproc
+        order: list[tuple[int, int]] = []
+        while True:
+            stop = 0
+            for ev in self._wake.wait(None):
+                if ev[0] == "exit" and ev[1] == incarnation:
+                    codes[ev[2]] = ev[3]
+                    order.append((ev[2], ev[3]))
+                elif ev[0] == "signal":
+                    stop = stop or ev[1]
+                elif ev[0] == "store_exit":
+                    return _End("store", returncode=ev[1])
+            if stop:
+                return _End("signal", signum=stop)
+            state = group_state(codes)
+            if state == FAILED:
+                failed = first_failure(order)
+                assert failed is not None
+                return _End("failed", rank=failed[0], returncode=failed[1])
+            if state == DONE:
+                return _End("done")
+
+    def _stop_ranks(self) -> None:
+        """SIGTERM to every live rank, SIGKILL (to its process group) after the grace
+        period; a second stop signal meanwhile skips the rest of the grace period."""
+        def alive() -> list[RankProcess]:
+            return [r for r in self._ranks if r.popen.returncode is None]
+
+        for r in alive():
+            r.signal(signal.SIGTERM)
+        deadline, killed = time.monotonic() + self.cfg.grace_s, False
+        while alive():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if killed:
+                    log.error("%s: rank(s) %s still running %gs after SIGKILL", self._name,
+                              [r.rank for r in alive()], KILL_WAIT_S)
+                    break
+                log.warning("%s: rank(s) %s still running after the %gs grace period: SIGKILL", self._name,
+                            [r.rank for r in alive()], self.cfg.grace_s)
+                for r in alive():
+                    r.signal(signal.SIGKILL, group=True)
+                deadline, killed = time.monotonic() + KILL_WAIT_S, True
+                continue
+            for ev in self._wake.wait(remaining):
+                if ev[0] == "signal":
+                    if self._stop_signal:
+                        deadline = 0.0  # asked twice: no more grace
+                    self._stop_signal = self._stop_signal or ev[1]
+        self._finish_ranks()
+
+    def _finish_ranks(self) -> None:
+        for r in self._ranks:
+            r.finish()
+        if self._store is not None:
+            self._store.guard([])  # their pids may be reused from now on
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait ``seconds``; True (and no wait left) when a stop signal arrives."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            for ev in self._wake.wait(remaining):
+                if ev[0] == "signal":
+                    self._stop_signal = ev[1]
+                    return True
+        return False
+
+    def _stopped(self) -> int:
+        name = signal.Signals(self._stop_signal).name
+        log.info("%s: stopped by %s; every rank has exited", self._name, name)
+        self._event("stopped", signal=name)
+        return stop_exit_code(self._stop_signal)
+
+    def _kill_all(self) -> None:
+        """Last resort on the way out (normally every rank has exited already)."""
+        for r in self._ranks:
+            if r.popen.returncode is None:
+                r.signal(signal.SIGKILL, group=True)
+        for r in self._ranks:
+            try:
+                r.popen.wait(KILL_WAIT_S)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def main(args: argparse.Namespace) -> int:
+    """``rallypoint run``: validate the command line (exit 2 on a usage error, before
+    anything starts), then supervise the group."""
+    try:
+        cfg = config_from_args(args)
+    except UsageError as e:
+        print(f"rallypoint run: error: {e}", file=sys.stderr)
+        return USAGE_EXIT
+    return Supervisor(cfg).run()
+
+
+__all__ = ["GAVE_UP_EXIT", "Supervisor", "main"]

@@ -1,0 +1,533 @@
+"""``rallypoint run``, the per-replica-group launcher (issue 14, first part: no warm
+standbys, no hang watchdog yet).
+
+The rules (restart, backoff, crash loop, each rank's environment, the command line) are
+pure functions tested with tables; the rest runs ``python -m rallypoint run`` as a user
+does, on real processes: a group's environment and torch's own ``init_process_group``
+across a restart, two Manager-trained groups where one rank is SIGKILLed (the group
+restarts and heals), a crash loop, SIGTERM to the supervisor, SIGKILL of the supervisor,
+and usage errors. Every wait has a deadline; every process is killed by pid at teardown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import Proc, wait_until
+from rallypoint.supervisor.args import RunConfig, UsageError, add_run_parser, config_from_args
+from rallypoint.supervisor.envs import LIFELINE_ENV, PROGRESS_ENV, GroupSpec, log_prefix, rank_env
+from rallypoint.supervisor.policy import (
+    DONE, FAILED, RUNNING, Decision, RestartPolicy, after_failure, backoff, describe_exit, first_failure,
+    group_state, made_progress, stop_exit_code,
+)  # fmt: skip
+
+# ----------------------------------------------------------------------- the rules
+
+P = RestartPolicy(max_restarts=2, backoff_s=0.5, backoff_cap_s=3.0, min_healthy_s=60.0)
+
+
+@pytest.mark.parametrize("rc, text", [
+    (0, "exit code 0"), (3, "exit code 3"), (-9, "signal SIGKILL"), (-15, "signal SIGTERM"), (-200, "signal 200"),
+])  # fmt: skip
+def test_describe_exit(rc, text) -> None:
+    assert describe_exit(rc) == text
+
+
+@pytest.mark.parametrize("codes, state", [
+    ([None, None], RUNNING), ([0, None], RUNNING), ([0, 0], DONE), ([0], DONE),
+    ([1, None], FAILED), ([None, -9], FAILED), ([0, 2], FAILED),
+])  # fmt: skip
+def test_group_state(codes, state) -> None:
+    assert group_state(codes) == state
+
+
+@pytest.mark.parametrize("exits, first", [
+    ([], None), ([(1, 0)], None), ([(1, 0), (0, -9), (1, 1)], (0, -9)), ([(1, 3), (0, -15)], (1, 3)),
+])  # fmt: skip
+def test_first_failure(exits, first) -> None:
+    assert first_failure(exits) == first
+
+
+@pytest.mark.parametrize("committed, uptime, seen, progressed", [
+    (True, 0.1, True, True),      # a committed step is progress, however short the life
+    (False, 600, True, False),    # a script that reports steps: uptime alone is none
+    (False, 600, False, True),    # one that never reported any (no Manager): uptime counts
+    (False, 59.9, False, False),
+])  # fmt: skip
+def test_made_progress(committed, uptime, seen, progressed) -> None:
+    assert made_progress(committed, uptime, seen, P) is progressed
+
+
+@pytest.mark.parametrize("streak, wait", [(0, 0.5), (1, 0.5), (2, 1.0), (3, 2.0), (4, 3.0), (100, 3.0)])
+def test_backoff_doubles_and_is_capped(streak, wait) -> None:
+    assert backoff(P, streak) == wait
+
+
+@pytest.mark.parametrize("policy, streak_before, progressed, restart, wait, streak", [
+    (P, 0, False, True, 0.5, 1),
+    (P, 1, False, True, 1.0, 2),
+    (P, 2, False, False, 0.0, 3),   # a third restart in a row without progress: give up
+    (P, 2, True, True, 0.5, 0),     # progress resets the streak
+    (RestartPolicy(max_restarts=0), 0, False, False, 0.0, 1),
+    (RestartPolicy(max_restarts=0), 0, True, True, 0.5, 0),
+])  # fmt: skip
+def test_after_failure(policy, streak_before, progressed, restart, wait, streak) -> None:
+    d = after_failure(policy, streak_before, progressed)
+    assert (d.restart, d.backoff_s, d.streak) == (restart, wait, streak)
+    assert isinstance(d, Decision)
+    if not restart:
+        assert "crash loop" in d.reason and f"--max-restarts {policy.max_restarts}" in d.reason
+
+
+def test_stop_exit_code() -> None:
+    assert (stop_exit_code(signal.SIGTERM), stop_exit_code(signal.SIGINT)) == (143, 130)
+
+
+def test_rank_env() -> None:
+    base = {"PATH": "/bin", "RALLYPOINT_TOKEN": "t", "RALLYPOINT_TLS_CA": "/ca.pem", "RANK": "9",
+            PROGRESS_ENV: "/stale", LIFELINE_ENV: "99"}
+    spec = GroupSpec(nproc=2, master_addr="127.0.0.1", master_port=29500, group_id="3", lighthouse="lh:29510",
+                     max_restarts=4)
+    env = rank_env(base, spec, rank=1, incarnation=2, progress_path="/run/p.2.1", lifeline_fd=7)
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "REPLICA_GROUP_ID",
+                                "RALLYPOINT_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE", "TORCHELASTIC_USE_AGENT_STORE",
+                                PROGRESS_ENV, LIFELINE_ENV, "OMP_NUM_THREADS")} == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "4",
+        "REPLICA_GROUP_ID": "3", "RALLYPOINT_LIGHTHOUSE": "lh:29510", "TORCHFT_LIGHTHOUSE": "lh:29510",
+        "TORCHELASTIC_USE_AGENT_STORE": "True", PROGRESS_ENV: "/run/p.2.1", LIFELINE_ENV: "7", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+    assert env["RALLYPOINT_TOKEN"] == "t" and env["RALLYPOINT_TLS_CA"] == "/ca.pem" and env["PATH"] == "/bin"
+    # A TORCHFT_LIGHTHOUSE already set is the user's; unset extras do not leak in from an outer supervisor.
+    env = rank_env({**base, "TORCHFT_LIGHTHOUSE": "mine", "OMP_NUM_THREADS": "4"},
+                   GroupSpec(nproc=1, master_addr="h", master_port=1), rank=0, incarnation=0)
+    assert env["TORCHFT_LIGHTHOUSE"] == "mine" and env["OMP_NUM_THREADS"] == "4"
+    assert PROGRESS_ENV not in env and LIFELINE_ENV not in env and "REPLICA_GROUP_ID" not in env
+    assert "RALLYPOINT_LIGHTHOUSE" not in env
+
+
+def test_log_prefix() -> None:
+    assert (log_prefix("7", 1), log_prefix(None, 0), log_prefix("r0", "store")) == ("[g7 r1] ", "[r0] ", "[gr0 store] ")
+
+
+def test_the_variable_names_agree_across_layers() -> None:
+    """The Manager and the rank bootstrap may not import the supervisor: each spells the
+    variable itself."""
+    from rallypoint.manager import _progress
+    from rallypoint.supervisor import _rank
+
+    assert _progress.PROGRESS_ENV == PROGRESS_ENV and _rank.LIFELINE_ENV == LIFELINE_ENV
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rallypoint")
+    add_run_parser(p.add_subparsers(dest="command", required=True))
+    return p.parse_args(["run", *argv])
+
+
+def test_command_line_with_torchruns_spellings(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cfg = config_from_args(_parse(["--standalone", "--nnodes", "1", "--nproc_per_node", "4", "--max_restarts", "7",
+                                   "--replica-group-id", "g2", str(script), "--lr", "0.1", "--nproc-per-node", "9"]))
+    assert cfg == RunConfig(nproc=4, target=str(script), module=False, script_args=["--lr", "0.1", "--nproc-per-node", "9"],
+                            group_id="g2", policy=RestartPolicy(max_restarts=7))
+    cfg = config_from_args(_parse(["-m", "json.tool", "x"]))
+    assert (cfg.module, cfg.target, cfg.script_args) == (True, "json.tool", ["x"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc-per-node", "0", "SCRIPT"], "--nproc-per-node must be at least 1"),
+    (["missing.py"], "'missing.py' does not exist"),
+    (["DIR"], "is a directory"),
+    (["-m", "no_such_module_xyz.train"], "no module named 'no_such_module_xyz'"),
+    (["--nnodes", "2", "SCRIPT"], "one `rallypoint run` per replica group"),
+    (["--master-port", "70000", "SCRIPT"], "not in 0..65535"),
+    (["--grace-period", "-1", "SCRIPT"], "--grace-period must not be negative"),
+])  # fmt: skip
+def test_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    argv = [str(script) if a == "SCRIPT" else str(tmp_path) if a == "DIR" else a for a in argv]
+    with pytest.raises(UsageError, match=message):
+        config_from_args(_parse(argv))
+
+
+def test_progress_reporter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Manager's side: nothing without the variable; the first commit at once, then at
+    most one write per MIN_INTERVAL_S, atomically."""
+    from rallypoint.manager import _progress
+
+    monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    _progress.committed(1)  # no supervisor: nothing happens
+    path = tmp_path / "progress.0.0"
+    monkeypatch.setenv(PROGRESS_ENV, str(path))
+    _progress.committed(5)
+    assert path.read_text() == "5\n"
+    _progress.committed(6)  # within MIN_INTERVAL_S: skipped
+    assert path.read_text() == "5\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["progress.0.0"]
+    monkeypatch.setenv(PROGRESS_ENV, str(tmp_path / "gone" / "p"))
+    _progress.committed(7)  # a folder that is gone: no error
+
+
+def test_a_cached_store_connection_survives_a_store_reset() -> None:
+    """Between incarnations the supervisor gives its group a fresh store at the same
+    address. Other groups' ranks keep a cached connection to it (their process groups
+    rendezvous in an up-to-date member's store): their next configure reconnects instead
+    of failing on the dead connection (which stalled whole quorums)."""
+    import gc
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from rallypoint.process_groups._store import StoreClients, fresh_prefix_store
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port, clients, t = server.port, StoreClients(), timedelta(seconds=5)
+    _, first = fresh_prefix_store(f"127.0.0.1:{port}/rallypoint/1/0", rank=0, quorum_id=1, group_rank=0,
+                                  timeout=t, clients=clients)
+    del server
+    gc.collect()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # what `reset` does
+    store, prefix = fresh_prefix_store(f"127.0.0.1:{port}/rallypoint/2/0", rank=0, quorum_id=2, group_rank=0,
+                                       timeout=t, clients=clients)
+    store.set("k", "v")
+    assert server.get(f"{prefix}/k") == b"v" and prefix.endswith("/a1")
+
+
+def test_the_supervisor_imports_no_torch() -> None:
+    code = ("import rallypoint.cli as c, rallypoint.supervisor.supervisor, rallypoint.supervisor._rank, sys; "
+            "c._build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+
+
+# ----------------------------------------------------------------------- processes
+
+
+def pid_alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class Strays(list):
+    """Pids a test saw (ranks, their children, store hosts), with their start times."""
+
+    def append(self, pid: int) -> None:  # type: ignore[override]
+        super().append((pid, _start_time(pid)))
+
+    def extend(self, pids) -> None:  # type: ignore[override]
+        for pid in pids:
+            self.append(pid)
+
+
+@pytest.fixture
+def strays():
+    """SIGKILLs at teardown, by pid, what the code under test failed to stop (only a
+    process with the same start time: a pid may have been reused since)."""
+    seen = Strays()
+    yield seen
+    for pid, started in seen:
+        if started is not None and _start_time(pid) == started and pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "REPLICA_GROUP_ID", PROGRESS_ENV)}
+    return {**env, **extra}
+
+
+def run_group(procs, *args: str, name: str, env: dict[str, str] | None = None) -> Proc:
+    return procs(["-m", "rallypoint", "run", *args], name=name, env=env or _env())
+
+
+def events(proc: Proc, kind: str) -> list[dict]:
+    out = []
+    for line in proc.stderr_text().splitlines():
+        if f'"event": "{kind}"' in line:
+            out.append(json.loads(line[line.index("{"):]))
+    return out
+
+
+ENV_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "REPLICA_GROUP_ID",
+            "RALLYPOINT_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE", "TORCHELASTIC_RESTART_COUNT", "RALLYPOINT_TOKEN"]
+    env = {k: os.environ.get(k) for k in keys}
+    env["argv"] = sys.argv[1:]
+    env["main"] = __name__
+    print("hello from rank", os.environ["RANK"])
+    print("to stderr", file=sys.stderr)
+    with open(os.path.join(os.environ["OUT"], "env." + os.environ["RANK"]), "w") as f:
+        json.dump(env, f)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("as_module", [False, True])
+def test_two_ranks_get_the_environment(procs, tmp_path: Path, as_module: bool) -> None:
+    """``rallypoint run --nproc-per-node 2 script.py args`` (or ``-m module``): each rank gets
+    torchrun's variables plus rallypoint's and the rest of the environment; its lines
+    come out prefixed; both exit 0, so does the supervisor."""
+    (tmp_path / "envdump.py").write_text(ENV_SCRIPT)
+    target = ["-m", "envdump"] if as_module else [str(tmp_path / "envdump.py")]
+    env = _env(OUT=str(tmp_path), RALLYPOINT_TOKEN="tok", PYTHONPATH=str(tmp_path))
+    sup = run_group(procs, "--nproc-per-node", "2", "--replica-group-id", "5", "--lighthouse", "127.0.0.1:1",
+                    *target, "--flag", "x", name="envgroup", env=env)
+    assert sup.wait(60) == 0, sup.stderr_text()[-3000:]
+    a, b = (json.loads((tmp_path / f"env.{r}").read_text()) for r in range(2))
+    for rank, e in enumerate((a, b)):
+        assert e["RANK"] == e["LOCAL_RANK"] == str(rank)
+        assert e["WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "2"
+        assert (e["MASTER_ADDR"], e["REPLICA_GROUP_ID"], e["TORCHELASTIC_RESTART_COUNT"]) == ("127.0.0.1", "5", "0")
+        assert e["RALLYPOINT_LIGHTHOUSE"] == e["TORCHFT_LIGHTHOUSE"] == "127.0.0.1:1"
+        assert (e["RALLYPOINT_TOKEN"], e["argv"], e["main"]) == ("tok", ["--flag", "x"], "__main__")
+    assert a["MASTER_PORT"] == b["MASTER_PORT"] != "0"
+    out = sup.rest_of_stdout()
+    assert "[g5 r0] hello from rank 0" in out and "[g5 r1] hello from rank 1" in out
+    assert "[g5 r1] to stderr" in sup.stderr_text()
+
+
+TORCH_PG_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    inc, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], dist.get_rank()
+    with open(os.path.join(sys.argv[1], f"sum.{inc}.{rank}"), "w") as f:
+        f.write(str(t.item()))
+    dist.destroy_process_group()
+    if inc == "0" and rank == 1:
+        sys.exit(7)
+    """
+)
+
+
+@pytest.mark.slow
+def test_torch_init_process_group_works_across_a_restart(procs, tmp_path: Path) -> None:
+    """A script's own ``init_process_group("gloo")`` (env://) rendezvouses in the store the
+    supervisor hosts, and again in the next incarnation (fresh keys, same address) after
+    rank 1 exits 7: one restart event naming it; then every rank exits 0."""
+    (tmp_path / "pg.py").write_text(TORCH_PG_SCRIPT)
+    sup = run_group(procs, "--nproc-per-node", "2", "--max-restarts", "1", "--restart-backoff", "0.05",
+                    str(tmp_path / "pg.py"), str(tmp_path), name="pggroup")
+    assert sup.wait(60) == 0, sup.stderr_text()[-4000:]
+    for inc in (0, 1):
+        assert [(tmp_path / f"sum.{inc}.{r}").read_text() for r in range(2)] == ["3.0", "3.0"]
+    (restart,) = events(sup, "restart")
+    assert (restart["rank"], restart["cause"], restart["exit_code"], restart["incarnation"]) == (1, "exit code 7", 7, 1)
+    assert restart["progress"] is False and restart["restart_s"] >= 0.05
+
+
+TRAIN = textwrap.dedent(
+    """
+    import json, logging, os, sys, time
+    from datetime import timedelta
+    import torch
+    from torch import nn
+    import rallypoint as torchft
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+    out, steps = sys.argv[1], int(sys.argv[2])
+    gid, rank = os.environ["REPLICA_GROUP_ID"], int(os.environ["RANK"])
+    inc = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    torch.manual_seed(100 * int(gid) + 10 * rank + inc)  # every start differs: the heal must copy
+    model = nn.Linear(3, 1)
+    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=2,
+                              load_state_dict=model.load_state_dict, state_dict=model.state_dict,
+                              hostname="127.0.0.1", timeout=timedelta(seconds=20),
+                              quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=20))
+    ddp = torchft.DistributedDataParallel(manager, model)
+    optimizer = torchft.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def save(name, **kw):
+        path = os.path.join(out, f"{name}.g{gid}.r{rank}")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"pid": os.getpid(), "inc": inc, "step": manager.current_step(), **kw}, f)
+        os.replace(path + ".tmp", path)
+
+    while manager.current_step() < steps:
+        optimizer.zero_grad()
+        ddp(torch.ones(4, 3) * (rank + 1)).sum().backward()
+        optimizer.step()
+        save("state")
+        time.sleep(0.05)
+    save("final", w=model.weight.tolist(), b=model.bias.tolist())
+    manager.shutdown()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_its_group_which_heals(procs, lighthouse, tmp_path: Path, strays) -> None:
+    """Two replica groups, each ``rallypoint run --nproc-per-node 2`` with a Manager; rank 1
+    of group 1 is SIGKILLed mid-training. Its supervisor stops rank 0, restarts both
+    (incarnation 1), they heal from group 0, and both groups finish at the same step with
+    identical weights. The restart event names the rank and the signal, and counts the
+    first incarnation's commits as progress (the Manager reported them)."""
+    lh = lighthouse(min_replicas=2, join_timeout_ms=10_000)
+    (tmp_path / "train.py").write_text(TRAIN)
+    steps = 12
+    env = _env(RALLYPOINT_LIGHTHOUSE=lh.address())
+    sups = [run_group(procs, "--nproc-per-node", "2", "--replica-group-id", str(g), "--restart-backoff", "0.1",
+                      "--grace-period", "5", str(tmp_path / "train.py"), str(tmp_path), str(steps), name=f"group{g}",
+                      env=env) for g in range(2)]
+    victim = tmp_path / "state.g1.r1"
+
+    def victim_at_step_2() -> dict | None:
+        try:
+            s = json.loads(victim.read_text())
+        except (OSError, ValueError):
+            return None
+        return s if s["step"] >= 2 else None
+
+    state = wait_until(victim_at_step_2, timeout=60, what="group 1 rank 1 to commit step 2")
+    assert state["step"] < steps - 2, "trained too fast to kill it mid-way"
+    strays.append(state["pid"])
+    os.kill(state["pid"], signal.SIGKILL)
+    for s in sups:
+        assert s.wait(90) == 0, s.stderr_text()[-5000:]
+    final = {(g, r): json.loads((tmp_path / f"final.g{g}.r{r}").read_text()) for g in range(2) for r in range(2)}
+    assert {f["step"] for f in final.values()} == {steps}
+    assert [final[(1, r)]["inc"] for r in range(2)] == [1, 1] and [final[(0, r)]["inc"] for r in range(2)] == [0, 0]
+    for r in range(2):
+        assert (final[(0, r)]["w"], final[(0, r)]["b"]) == (final[(1, r)]["w"], final[(1, r)]["b"])
+    (restart,) = events(sups[1], "restart")
+    assert (restart["rank"], restart["cause"], restart["signal"]) == (1, "signal SIGKILL", "SIGKILL")
+    assert restart["progress"] is True and restart["streak"] == 0
+    assert events(sups[0], "restart") == []
+
+
+@pytest.mark.slow
+def test_a_crash_loop_gives_up_with_a_clear_message(procs, tmp_path: Path) -> None:
+    """A script that exits 3 at once: restarted --max-restarts times with backoff, then the
+    supervisor gives up (exit 1) saying why, instead of looping forever."""
+    (tmp_path / "bad.py").write_text("import sys; print('about to fail'); sys.exit(3)\n")
+    sup = run_group(procs, "--nproc-per-node", "2", "--max-restarts", "2", "--restart-backoff", "0.02",
+                    str(tmp_path / "bad.py"), name="crashloop")
+    assert sup.wait(60) == 1
+    err = sup.stderr_text()
+    assert "giving up on replica group: crash loop: 3 incarnation(s) in a row failed without progress" in err, err
+    assert "--max-restarts 2" in err and "exit code 3" in err
+    assert [e["incarnation"] for e in events(sup, "restart")] == [1, 2]
+    assert [e["backoff_s"] for e in events(sup, "restart")] == [0.02, 0.04]
+    (gave_up,) = events(sup, "gave_up")
+    assert (gave_up["failed_incarnation"], gave_up["streak"]) == (2, 3)
+
+
+SLEEPER = textwrap.dedent(
+    """
+    import json, os, signal, subprocess, sys, time
+    rank = os.environ["RANK"]
+    if rank == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL stops this one
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(f"env.{rank}", "w") as f:
+        json.dump(dict(os.environ), f)
+    print("ready", os.getpid(), child.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _start_sleepers(procs, tmp_path: Path, strays: list[int]) -> tuple[Proc, list[int], int]:
+    """A supervised group of two sleeping ranks, each with a child of its own; returns the
+    supervisor, every rank's and rank child's pid, and the store host's pid."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    sup = run_group(procs, "--nproc-per-node", "2", "--replica-group-id", "9", "--grace-period", "0.5",
+                    str(tmp_path / "sleeper.py"), name="sleepers")
+    pids: list[int] = []
+    for _ in range(2):
+        line = sup.wait_line(lambda s: " ready " in s, timeout=60)
+        pids += [int(x) for x in line.split()[-2:]]
+    strays.extend(pids)
+    (store,) = [p for p in children_of(sup.pid) if p not in pids]
+    strays.append(store)
+    assert all(pid_alive(p) for p in [*pids, store])
+    return sup, pids, store
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_and_exits_143(procs, tmp_path: Path, strays) -> None:
+    """SIGTERM to the supervisor: SIGTERM to the ranks, SIGKILL to the one that ignores it
+    after the grace period, their own children killed too, the store host stopped; exit
+    143 (128 + SIGTERM); nothing left running."""
+    sup, pids, store = _start_sleepers(procs, tmp_path, strays)
+    sup.kill(signal.SIGTERM)
+    assert sup.wait(20) == 143, sup.stderr_text()[-3000:]
+    assert not [p for p in [*pids, store] if pid_alive(p)]
+    err = sup.stderr_text()
+    assert "still running after the 0.5s grace period: SIGKILL" in err and "stopped by SIGTERM" in err
+    assert events(sup, "stopped") == [{"event": "stopped", "group": "9", "signal": "SIGTERM"}]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_supervisor_takes_its_ranks_and_store_host_with_it(procs, tmp_path: Path, strays) -> None:
+    """SIGKILL to the supervisor: the kernel kills the ranks (PR_SET_PDEATHSIG), the store
+    host sees its input end and kills what the ranks started; nothing outlives it."""
+    sup, pids, store = _start_sleepers(procs, tmp_path, strays)
+    rundir = Path(json.loads((tmp_path / "env.0").read_text())[PROGRESS_ENV]).parent
+    assert rundir.is_dir()
+    sup.kill(signal.SIGKILL)
+    assert sup.wait(10) == -signal.SIGKILL
+    wait_until(lambda: not [p for p in [*pids, store] if pid_alive(p)], timeout=10,
+               what="every rank, rank child and the store host to die")
+    assert not rundir.exists()  # its scratch folder too (the store host removes it)
+
+
+@pytest.mark.slow
+def test_usage_errors_exit_2_before_starting_anything(procs, tmp_path: Path) -> None:
+    """A missing script, a bad flag, --nproc-per-node 0: a message and exit 2, quickly (no
+    store host is started: it would print its import warnings and take a second)."""
+    for i, (argv, message) in enumerate([
+        (["--nproc-per-node", "2", str(tmp_path / "missing.py")], "missing.py' does not exist"),
+        (["--nproc-per-node", "0", str(tmp_path)], "--nproc-per-node must be at least 1"),
+        (["--no-such-flag", "x.py"], "unrecognized arguments: --no-such-flag"),
+    ]):  # fmt: skip
+        sup = run_group(procs, *argv, name=f"usage{i}")
+        assert sup.wait(30) == 2
+        err = sup.stderr_text()
+        assert message in err and "[store]" not in err and "rallypoint.run" not in err, err
