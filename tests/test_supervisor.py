@@ -1,12 +1,12 @@
-"""``rallypoint run``, the per-replica-group launcher (issue 14, first part: no warm
-standbys, no hang watchdog yet).
+"""``rallypoint run``, the per-replica-group launcher (issue 14: no warm standbys yet).
 
 The rules (restart, backoff, crash loop, each rank's environment, the command line) are
 pure functions tested with tables; the rest runs ``python -m rallypoint run`` as a user
 does, on real processes: a group's environment and torch's own ``init_process_group``
 across a restart, two Manager-trained groups where one rank is SIGKILLed (the group
-restarts and heals), a crash loop, SIGTERM to the supervisor, SIGKILL of the supervisor,
-and usage errors. Every wait has a deadline; every process is killed by pid at teardown.
+restarts and heals), a rank hung in its training loop and a SIGSTOPped rank (the hang
+watchdog restarts the group), a crash loop, SIGTERM to the supervisor, SIGKILL of the
+supervisor, and usage errors. Every wait has a deadline; every process is killed by pid at teardown.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from rallypoint.supervisor.args import RunConfig, UsageError, add_run_parser, co
 from rallypoint.supervisor.envs import LIFELINE_ENV, PROGRESS_ENV, GroupSpec, log_prefix, rank_env
 from rallypoint.supervisor.policy import (
     DONE, FAILED, RUNNING, Decision, RestartPolicy, after_failure, backoff, describe_exit, first_failure,
-    group_state, made_progress, stop_exit_code,
+    group_state, hung_ranks, made_progress, parse_progress, poll_period, progress_change_time, stop_exit_code, watch_wait,
 )  # fmt: skip
 
 # ----------------------------------------------------------------------- the rules
@@ -88,6 +89,53 @@ def test_after_failure(policy, streak_before, progressed, restart, wait, streak)
         assert "crash loop" in d.reason and f"--max-restarts {policy.max_restarts}" in d.reason
 
 
+@pytest.mark.parametrize("now, last_change, timeout, hung", [
+    (100.0, [None, None], 3.0, []),          # no report yet: the clock has not started
+    (100.0, [97.5, 99.0], 3.0, []),
+    (100.0, [97.0, 99.0], 3.0, [0]),         # exactly the timeout
+    (100.0, [None, 90.0], 3.0, [1]),         # one rank reported, the other not yet
+    (100.0, [96.0, 95.0, 99.9], 3.0, [1, 0]),  # longest silent first
+    (100.0, [95.0, 95.0], 3.0, [0, 1]),      # ties: the lower rank
+    (100.0, [0.0, 0.0], 0.0, []),            # 0: the watchdog is off
+])  # fmt: skip
+def test_hung_ranks(now, last_change, timeout, hung) -> None:
+    assert hung_ranks(now, last_change, timeout) == hung
+
+
+@pytest.mark.parametrize("text, parsed", [
+    (b"5\n", (5, False)), (b"12 done\n", (12, True)), (b"", (None, False)), (b"x\n", (None, False)),
+    (b"3 what\n", (3, False)),
+])  # fmt: skip
+def test_parse_progress(text, parsed) -> None:
+    assert parse_progress(text) == parsed
+
+
+@pytest.mark.parametrize("timeout, period", [(0.0, None), (300.0, 0.5), (3.0, 0.3), (1.0, 0.1), (0.1, 0.05)])
+def test_poll_period(timeout, period) -> None:
+    assert poll_period(timeout) == pytest.approx(period) if period else poll_period(timeout) is None
+
+
+@pytest.mark.parametrize("now, last_change, timeout, wait", [
+    (100.0, [None], 0.0, None),              # off: sleep until an event
+    (100.0, [None, None], 300.0, 0.5),       # nobody timed yet: the poll period
+    (100.0, [99.0, None], 300.0, 0.5),
+    (100.0, [97.2, 99.0], 3.0, 0.2),         # rank 0's deadline comes before the next poll
+    (100.0, [96.0], 3.0, 0.0),               # past it
+])  # fmt: skip
+def test_watch_wait(now, last_change, timeout, wait) -> None:
+    got = watch_wait(now, last_change, timeout)
+    assert got == pytest.approx(wait) if wait is not None else got is None
+
+
+@pytest.mark.parametrize("now, previous_poll, age, changed_at", [
+    (100.0, 99.5, 0.2, 99.8),    # the file's age says when
+    (100.0, 99.5, 5.0, 99.5),    # older than the last poll that saw it unchanged: a wall clock jump
+    (100.0, 99.5, -2.0, 100.0),  # from the future: now
+])  # fmt: skip
+def test_progress_change_time(now, previous_poll, age, changed_at) -> None:
+    assert progress_change_time(now, previous_poll, age) == pytest.approx(changed_at)
+
+
 def test_stop_exit_code() -> None:
     assert (stop_exit_code(signal.SIGTERM), stop_exit_code(signal.SIGINT)) == (143, 130)
 
@@ -142,6 +190,9 @@ def test_command_line_with_torchruns_spellings(tmp_path: Path) -> None:
                                    "--replica-group-id", "g2", str(script), "--lr", "0.1", "--nproc-per-node", "9"]))
     assert cfg == RunConfig(nproc=4, target=str(script), module=False, script_args=["--lr", "0.1", "--nproc-per-node", "9"],
                             group_id="g2", policy=RestartPolicy(max_restarts=7))
+    assert cfg.hang_timeout_s == 300.0
+    assert config_from_args(_parse(["--hang-timeout", "0", str(script)])).hang_timeout_s == 0.0
+    assert config_from_args(_parse(["--hang_timeout", "2.5", str(script)])).hang_timeout_s == 2.5
     cfg = config_from_args(_parse(["-m", "json.tool", "x"]))
     assert (cfg.module, cfg.target, cfg.script_args) == (True, "json.tool", ["x"])
 
@@ -154,6 +205,8 @@ def test_command_line_with_torchruns_spellings(tmp_path: Path) -> None:
     (["--nnodes", "2", "SCRIPT"], "one `rallypoint run` per replica group"),
     (["--master-port", "70000", "SCRIPT"], "not in 0..65535"),
     (["--grace-period", "-1", "SCRIPT"], "--grace-period must not be negative"),
+    (["--hang-timeout", "-1", "SCRIPT"], "--hang-timeout must not be negative"),
+    (["--hang-timeout", "nan", "SCRIPT"], "--hang-timeout must not be negative"),
 ])  # fmt: skip
 def test_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
     script = tmp_path / "train.py"
@@ -165,7 +218,7 @@ def test_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
 
 def test_progress_reporter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Manager's side: nothing without the variable; the first commit at once, then at
-    most one write per MIN_INTERVAL_S, atomically."""
+    most one write per MIN_INTERVAL_S, atomically; ``done`` at shutdown."""
     from rallypoint.manager import _progress
 
     monkeypatch.delenv(PROGRESS_ENV, raising=False)
@@ -177,6 +230,8 @@ def test_progress_reporter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     _progress.committed(6)  # within MIN_INTERVAL_S: skipped
     assert path.read_text() == "5\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["progress.0.0"]
+    _progress.finished(6)  # the Manager shuts down: never throttled
+    assert path.read_text() == "6 done\n"
     monkeypatch.setenv(PROGRESS_ENV, str(tmp_path / "gone" / "p"))
     _progress.committed(7)  # a folder that is gone: no error
 
@@ -204,6 +259,30 @@ def test_a_cached_store_connection_survives_a_store_reset() -> None:
                                        timeout=t, clients=clients)
     store.set("k", "v")
     assert server.get(f"{prefix}/k") == b"v" and prefix.endswith("/a1")
+
+
+DUMPER = textwrap.dedent(
+    """
+    import os, signal, sys
+    def waiting_here():
+        sys.stderr.close()  # closes fd 2: the dump has its own descriptor
+        sys.stderr = open(os.devnull, "w")
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print("still alive", flush=True)
+    waiting_here()
+    """
+)
+
+
+def test_sigusr1_dumps_the_ranks_stacks_even_without_its_stderr(tmp_path: Path) -> None:
+    """The rank bootstrap registers a SIGUSR1 stack dump (all threads) on a descriptor of
+    its own, so a script that closes or replaces ``sys.stderr`` still gets its dump, and
+    the rank lives on after it."""
+    (tmp_path / "dumper.py").write_text(DUMPER)
+    p = subprocess.run([sys.executable, "-m", "rallypoint.supervisor._rank", str(tmp_path / "dumper.py")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout == "still alive\n", p.stderr
+    assert "most recent call first" in p.stderr and "in waiting_here" in p.stderr, p.stderr
 
 
 def test_the_supervisor_imports_no_torch() -> None:
@@ -365,6 +444,7 @@ def test_torch_init_process_group_works_across_a_restart(procs, tmp_path: Path) 
 TRAIN = textwrap.dedent(
     """
     import json, logging, os, sys, time
+    started = time.time()  # this process's start, before the heavy imports
     from datetime import timedelta
     import torch
     from torch import nn
@@ -389,16 +469,75 @@ TRAIN = textwrap.dedent(
             json.dump({"pid": os.getpid(), "inc": inc, "step": manager.current_step(), **kw}, f)
         os.replace(path + ".tmp", path)
 
+    def hang_here():
+        save("hanging", t=time.time())
+        time.sleep(10**6)
+
+    marker, first = os.path.join(out, f"hang.g{gid}.r{rank}"), True
     while manager.current_step() < steps:
+        try:
+            os.rename(marker, marker + ".taken")  # once: the next incarnation does not hang again
+            hang_here()
+        except FileNotFoundError:
+            pass
         optimizer.zero_grad()
         ddp(torch.ones(4, 3) * (rank + 1)).sum().backward()
         optimizer.step()
         save("state")
+        if first:
+            save(f"first{inc}", started=started, t=time.time())  # the first commit of this start
+            first = False
         time.sleep(0.05)
     save("final", w=model.weight.tolist(), b=model.bias.tolist())
     manager.shutdown()
     """
 )
+
+
+TRAIN_STEPS = 12
+
+
+def _two_training_groups(procs, lighthouse, tmp_path: Path, group1_args: tuple[str, ...] = ()) -> list[Proc]:
+    """Two replica groups of two ranks training TRAIN with a Manager each (min 2 replicas);
+    ``group1_args``: more flags for group 1's ``rallypoint run``."""
+    lh = lighthouse(min_replicas=2, join_timeout_ms=10_000)
+    (tmp_path / "train.py").write_text(TRAIN)
+    env = _env(RALLYPOINT_LIGHTHOUSE=lh.address())
+    return [run_group(procs, "--nproc-per-node", "2", "--replica-group-id", str(g), "--restart-backoff", "0.1",
+                      "--grace-period", "5", *(group1_args if g == 1 else ()), str(tmp_path / "train.py"),
+                      str(tmp_path), str(TRAIN_STEPS), name=f"group{g}", env=env) for g in range(2)]
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _at_step_2(tmp_path: Path, rank: int) -> dict:
+    """Group 1 ``rank``'s state once it committed step 2 (well before the end)."""
+    def at_step_2() -> dict | None:
+        s = _read_json(tmp_path / f"state.g1.r{rank}")
+        return s if s is not None and s["step"] >= 2 else None
+
+    state = wait_until(at_step_2, timeout=60, what=f"group 1 rank {rank} to commit step 2")
+    assert state["step"] < TRAIN_STEPS - 2, "trained too fast to hit it mid-way"
+    return state
+
+
+def _both_groups_finish_alike(tmp_path: Path, sups: list[Proc]) -> dict:
+    """Both supervisors exit 0; every rank ends at the last step, group 1's in incarnation 1
+    (restarted once), group 0's in incarnation 0, with identical weights across groups."""
+    for s in sups:
+        assert s.wait(90) == 0, s.stderr_text()[-5000:]
+    final = {(g, r): json.loads((tmp_path / f"final.g{g}.r{r}").read_text()) for g in range(2) for r in range(2)}
+    assert {f["step"] for f in final.values()} == {TRAIN_STEPS}
+    assert [final[(1, r)]["inc"] for r in range(2)] == [1, 1] and [final[(0, r)]["inc"] for r in range(2)] == [0, 0]
+    for r in range(2):
+        assert (final[(0, r)]["w"], final[(0, r)]["b"]) == (final[(1, r)]["w"], final[(1, r)]["b"])
+    assert events(sups[0], "restart") == []
+    return final
 
 
 @pytest.mark.slow
@@ -408,37 +547,71 @@ def test_a_killed_rank_restarts_its_group_which_heals(procs, lighthouse, tmp_pat
     (incarnation 1), they heal from group 0, and both groups finish at the same step with
     identical weights. The restart event names the rank and the signal, and counts the
     first incarnation's commits as progress (the Manager reported them)."""
-    lh = lighthouse(min_replicas=2, join_timeout_ms=10_000)
-    (tmp_path / "train.py").write_text(TRAIN)
-    steps = 12
-    env = _env(RALLYPOINT_LIGHTHOUSE=lh.address())
-    sups = [run_group(procs, "--nproc-per-node", "2", "--replica-group-id", str(g), "--restart-backoff", "0.1",
-                      "--grace-period", "5", str(tmp_path / "train.py"), str(tmp_path), str(steps), name=f"group{g}",
-                      env=env) for g in range(2)]
-    victim = tmp_path / "state.g1.r1"
-
-    def victim_at_step_2() -> dict | None:
-        try:
-            s = json.loads(victim.read_text())
-        except (OSError, ValueError):
-            return None
-        return s if s["step"] >= 2 else None
-
-    state = wait_until(victim_at_step_2, timeout=60, what="group 1 rank 1 to commit step 2")
-    assert state["step"] < steps - 2, "trained too fast to kill it mid-way"
+    sups = _two_training_groups(procs, lighthouse, tmp_path)
+    state = _at_step_2(tmp_path, 1)
     strays.append(state["pid"])
     os.kill(state["pid"], signal.SIGKILL)
-    for s in sups:
-        assert s.wait(90) == 0, s.stderr_text()[-5000:]
-    final = {(g, r): json.loads((tmp_path / f"final.g{g}.r{r}").read_text()) for g in range(2) for r in range(2)}
-    assert {f["step"] for f in final.values()} == {steps}
-    assert [final[(1, r)]["inc"] for r in range(2)] == [1, 1] and [final[(0, r)]["inc"] for r in range(2)] == [0, 0]
-    for r in range(2):
-        assert (final[(0, r)]["w"], final[(0, r)]["b"]) == (final[(1, r)]["w"], final[(1, r)]["b"])
+    _both_groups_finish_alike(tmp_path, sups)
     (restart,) = events(sups[1], "restart")
     assert (restart["rank"], restart["cause"], restart["signal"]) == (1, "signal SIGKILL", "SIGKILL")
     assert restart["progress"] is True and restart["streak"] == 0
-    assert events(sups[0], "restart") == []
+
+
+HANG_TIMEOUT = 3.0
+
+
+def _hang_restart(sups: list[Proc], tmp_path: Path, hung_at: float) -> dict:
+    """The checks common to a hung and a stopped rank of group 1 (``hung_at``: when its
+    progress stopped, on this clock): one restart, cause ``hang``, naming a rank of the
+    group silent for the timeout; the group was restarted within the timeout plus a few
+    seconds and committed again. Returns the restart event plus the measured times."""
+    (restart,) = events(sups[1], "restart")
+    assert (restart["cause"], restart["exit_code"], restart["signal"]) == ("hang", None, None), restart
+    assert restart["rank"] in (0, 1) and restart["rank"] == restart["hung_ranks"][0], restart
+    assert HANG_TIMEOUT <= restart["silent_s"] < HANG_TIMEOUT + 2 and restart["last_step"] >= 1, restart
+    assert restart["progress"] is True and restart["incarnation"] == 1
+    err = sups[1].stderr_text()
+    assert f"rank {restart['rank']} hung: no progress for" in err, err[-5000:]
+    first = [json.loads((tmp_path / f"first1.g1.r{r}").read_text()) for r in range(2)]
+    restarted, participating = min(f["started"] for f in first) - hung_at, max(f["t"] for f in first) - hung_at
+    assert restarted < HANG_TIMEOUT + 3, (restarted, restart)
+    return {**restart, "restarted_after_s": round(restarted, 2), "participating_after_s": round(participating, 2)}
+
+
+@pytest.mark.slow
+def test_a_rank_hung_in_its_training_loop_restarts_its_group(procs, lighthouse, tmp_path: Path, strays) -> None:
+    """Rank 1 of group 1 sleeps forever in its training loop (once: a marker file the test
+    creates). Its Manager keeps heartbeating, so only the watchdog (--hang-timeout 3) sees
+    it: the group's stacks are dumped to the log (the sleeping frame among them), the group
+    restarts within the timeout plus a few seconds, heals, and both groups finish alike."""
+    sups = _two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(HANG_TIMEOUT)))
+    strays.extend(_at_step_2(tmp_path, r)["pid"] for r in range(2))
+    marked = time.time()
+    (tmp_path / "hang.g1.r1").write_text("")
+    hanging = wait_until(lambda: _read_json(tmp_path / "hanging.g1.r1"), timeout=10, what="rank 1 to hang")
+    assert hanging["inc"] == 0 and hanging["t"] - marked < 2.0
+    _both_groups_finish_alike(tmp_path, sups)
+    facts = _hang_restart(sups, tmp_path, marked)
+    dump = [line for line in sups[1].stderr_text().splitlines() if line.startswith("[g1 r1] ")]
+    assert any("in hang_here" in line for line in dump), "\n".join(dump[-60:])
+    assert not (tmp_path / "hang.g1.r1").exists()  # taken once
+    print("hang:", json.dumps(facts))
+
+
+@pytest.mark.slow
+def test_a_sigstopped_rank_restarts_its_group(procs, lighthouse, tmp_path: Path, strays) -> None:
+    """Rank 1 of group 1 is SIGSTOPped mid-training: the watchdog restarts the group (the
+    stopped rank cannot dump its stacks or act on SIGTERM; it is not waited for), which
+    heals and trains on; no rank of the first incarnation is left, stopped or otherwise."""
+    sups = _two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(HANG_TIMEOUT)))
+    pids = [_at_step_2(tmp_path, r)["pid"] for r in range(2)]
+    strays.extend(pids)
+    stopped = time.time()
+    os.kill(pids[1], signal.SIGSTOP)
+    _both_groups_finish_alike(tmp_path, sups)
+    facts = _hang_restart(sups, tmp_path, stopped)
+    assert not [p for p in pids if pid_alive(p)]
+    print("sigstop:", json.dumps(facts))
 
 
 @pytest.mark.slow

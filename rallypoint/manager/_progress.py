@@ -2,10 +2,12 @@
 
 The supervisor names a file per rank and incarnation in ``RALLYPOINT_SUPERVISOR_PROGRESS``;
 after a commit the Manager writes the step there (atomically: a temporary file, then a
-rename), at most once per ``MIN_INTERVAL_S`` after the first. The supervisor reads it to
-tell a crash loop (no commit between restarts) from a group that works, and the hang
-watchdog will read its age. Without the variable (no supervisor) this does nothing; an
-error writing it is never the training loop's problem.
+rename), at most once per ``MIN_INTERVAL_S`` after the first. ``Manager.shutdown()``
+writes ``<step> done`` (``finished``): no more commits are coming, the rank is winding up.
+The supervisor reads the file to tell a crash loop (no commit between restarts) from a
+group that works, and its hang watchdog times how long the file has not changed (not after
+``done``). Without the variable (no supervisor) this does nothing; an error writing it is
+never the training loop's problem.
 """
 
 from __future__ import annotations
@@ -29,13 +31,26 @@ def committed(step: int) -> None:
     if last is not None and now - last < MIN_INTERVAL_S:
         return
     _last_write[path] = now
+    _write(path, f"{step}\n")
+
+
+def finished(step: int) -> None:
+    """Report that no more commits are coming (the Manager shuts down): a supervisor's hang
+    watchdog stops timing this rank, which may take a while to exit. Never throttled."""
+    path = os.environ.get(PROGRESS_ENV)
+    if path:
+        _last_write.pop(path, None)
+        _write(path, f"{step} done\n")
+
+
+def _write(path: str, text: str) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w") as f:
-            f.write(f"{step}\n")
+            f.write(text)
         os.replace(tmp, path)
     except OSError:
         pass  # the supervisor's folder is gone (it is stopping us): nothing to tell
 
 
-__all__ = ["MIN_INTERVAL_S", "PROGRESS_ENV", "committed"]
+__all__ = ["MIN_INTERVAL_S", "PROGRESS_ENV", "committed", "finished"]

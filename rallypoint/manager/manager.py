@@ -585,6 +585,7 @@ class Manager(FailFast):
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the quorum thread, the transport, the client and (rank 0) the server."""
+        _progress.finished(self.current_step())  # a supervising `rallypoint run` stops timing this rank
         self._executor.shutdown(wait=wait, cancel_futures=True)
         if self._relay is not None:
             self._relay.close()

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -112,6 +113,8 @@ class Pump:
 
     def __init__(self, src: IO[bytes], dest: IO[bytes], prefix: str, lock: threading.Lock) -> None:
         self._src, self._dest, self._prefix, self._lock = src, dest, prefix.encode(), lock
+        self.lines = 0  # lines copied so far, and when the last one was (monotonic)
+        self.last_line_at = 0.0
         self._thread = threading.Thread(target=self._run, name=f"pump {prefix.strip()}", daemon=True)
         self._thread.start()
 
@@ -126,6 +129,8 @@ class Pump:
                         self._dest.flush()
                     except (OSError, ValueError):
                         pass  # our own output is gone (a closed pipe): keep draining the child
+                self.last_line_at = time.monotonic()
+                self.lines += 1
         finally:
             self._src.close()
 
@@ -165,6 +170,23 @@ class RankProcess:
                 os.kill(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def stopped(self) -> bool:
+        """Stopped (SIGSTOP, a debugger): it cannot act on a signal other than SIGKILL and
+        SIGCONT until continued."""
+        if self.popen.returncode is not None:
+            return False
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state in (b"T", b"t")
+
+    def stderr_activity(self) -> tuple[int, float]:
+        """How many lines of its stderr were printed so far, and when the last one was."""
+        pump = self._pumps[1]
+        return pump.lines, pump.last_line_at
 
     def drain(self, timeout: float) -> None:
         """Let the pumps print its last lines (e.g. a traceback) before we say it failed."""

@@ -12,6 +12,13 @@ and its process group (its data loader workers, its own helpers). This backs up 
 ``PR_SET_PDEATHSIG`` the supervisor sets before exec, which misses a supervisor that died
 between fork and prctl.
 
+Stack dumps: ``SIGUSR1`` makes this rank write every thread's Python stack to its stderr
+(``faulthandler``), which the supervisor sends a hung rank before restarting its group. The
+handler writes to a duplicate of the original stderr descriptor, so a script that replaces,
+closes or redirects ``sys.stderr`` (or fd 2) does not lose the dump; a script that installs
+its own ``SIGUSR1`` handler replaces this one (the supervisor then restarts the group
+without a dump).
+
 Seam for warm standbys (not built yet): a standby is this bootstrap started early, with
 torch and ``--preload`` modules imported, that waits for its go (rank, incarnation,
 environment) before it runs the script exactly as below.
@@ -19,6 +26,7 @@ environment) before it runs the script exactly as below.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import runpy
 import signal
@@ -59,8 +67,34 @@ def watch_lifeline(environ: dict[str, str] | os._Environ[str] = os.environ) -> b
     return True
 
 
+_dump_file: object = None  # kept alive: faulthandler writes to its descriptor
+
+
+def dump_stacks_on_sigusr1() -> bool:
+    """Register the ``SIGUSR1`` stack dump (all threads) on a private duplicate of fd 2.
+    True if registered."""
+    global _dump_file
+    try:
+        fd = os.dup(2)  # not inheritable: programs this rank execs do not get it
+    except OSError:
+        return False
+    try:
+        f = os.fdopen(fd, "w")
+    except OSError:
+        os.close(fd)
+        return False
+    try:
+        faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+    except (OSError, RuntimeError, ValueError, AttributeError):
+        f.close()
+        return False
+    _dump_file = f
+    return True
+
+
 def main(argv: list[str]) -> None:
     watch_lifeline()
+    dump_stacks_on_sigusr1()
     if not argv:
         raise SystemExit("usage: python -m rallypoint.supervisor._rank [-m module | script.py] args...")
     if argv[0] == "-m":

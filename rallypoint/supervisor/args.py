@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from rallypoint.supervisor.policy import RestartPolicy
 
 USAGE_EXIT = 2
+HANG_TIMEOUT_S = 300.0
 
 DESCRIPTION = """\
 Start the ranks of one replica group (where torchrun was) and keep the group running:
@@ -20,7 +21,9 @@ after --grace-period) and all ranks start again, with a fresh TORCHELASTIC_RESTA
 after a backoff; the restarted group heals from its peers. The supervisor hosts the
 group's store (MASTER_ADDR/MASTER_PORT) at one address for the whole run, emptied between
 restarts. It gives up (exit 1) after --max-restarts restarts in a row without a committed
-step (a crash loop). SIGTERM or SIGINT stops the ranks (SIGTERM, then SIGKILL after
+step (a crash loop). A rank whose committed step (reported by its Manager) has not
+changed for --hang-timeout seconds is hung: its stacks (and its group's) are dumped to the
+log and the group is restarted as for a crash. SIGTERM or SIGINT stops the ranks (SIGTERM, then SIGKILL after
 --grace-period) and exits 128+signal; the supervisor exits 0 when every rank exited 0.
 A usage error exits 2 before anything starts."""
 
@@ -42,6 +45,7 @@ class RunConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     grace_s: float = 10.0
+    hang_timeout_s: float = HANG_TIMEOUT_S
     policy: RestartPolicy = RestartPolicy()
 
 
@@ -72,6 +76,11 @@ def add_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                f"long counts as progress ({d.min_healthy_s:g})")
     _flag(p, "grace-period", type=float, default=10.0, metavar="S",
           help="seconds between SIGTERM and SIGKILL when stopping ranks (10)")
+    _flag(p, "hang-timeout", type=float, default=HANG_TIMEOUT_S, metavar="S",
+          help="a rank whose committed step has not changed for S seconds is hung: dump its stacks and restart "
+               "the group. The clock starts at the rank's first committed step in each start (imports, the "
+               "first quorum and the first heal are not timed; a heal later on must fit in S). "
+               f"0: no watchdog ({HANG_TIMEOUT_S:g})")
     _flag(p, "master-addr", default="127.0.0.1", metavar="HOST",
           help="MASTER_ADDR the ranks reach the group's store at (127.0.0.1; it listens on every interface)")
     _flag(p, "master-port", type=int, default=0, metavar="PORT", help="the store's port (0: one the OS picks)")
@@ -107,8 +116,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise UsageError(f"--master-port {args.master_port} is not in 0..65535")
     for flag, value in (("--max-restarts", args.max_restarts), ("--restart-backoff", args.restart_backoff),
                         ("--restart-backoff-cap", args.restart_backoff_cap), ("--min-healthy-s", args.min_healthy_s),
-                        ("--grace-period", args.grace_period)):
-        if value < 0:
+                        ("--grace-period", args.grace_period), ("--hang-timeout", args.hang_timeout)):
+        if not value >= 0:  # NaN too
             raise UsageError(f"{flag} must not be negative, not {value}")
     if args.replica_group_id is not None and not str(args.replica_group_id).strip():
         raise UsageError("--replica-group-id is empty")
@@ -123,9 +132,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         master_addr=args.master_addr,
         master_port=args.master_port,
         grace_s=args.grace_period,
+        hang_timeout_s=args.hang_timeout,
         policy=RestartPolicy(max_restarts=args.max_restarts, backoff_s=args.restart_backoff,
                              backoff_cap_s=args.restart_backoff_cap, min_healthy_s=args.min_healthy_s),
     )
 
 
-__all__ = ["RunConfig", "USAGE_EXIT", "UsageError", "add_run_parser", "config_from_args"]
+__all__ = ["HANG_TIMEOUT_S", "RunConfig", "USAGE_EXIT", "UsageError", "add_run_parser", "config_from_args"]

@@ -6,9 +6,10 @@ Vocabulary: an *incarnation* is one start of all the group's ranks (numbered fro
 ``TORCHELASTIC_RESTART_COUNT`` its ranks see). The group is the unit of failure: one rank
 that fails ends the incarnation, and the next one starts every rank afresh.
 
-Seam for the hang watchdog (not built yet): a hung rank will end its incarnation with a
-cause of its own (``hang``), decided here from progress reports and timestamps the shell
-passes in, and then follow the same restart rules as a crash.
+The hang watchdog's rules are here too (``hung_ranks``, ``progress_change_time``,
+``watch_wait``, ``poll_period``): the shell polls each rank's progress file and passes in
+monotonic timestamps; a hung rank ends its incarnation with the cause ``hang`` and then
+follows the same restart rules as a crash.
 """
 
 from __future__ import annotations
@@ -109,6 +110,59 @@ def first_failure(exits: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
     return None
 
 
+POLL_MAX_S = 0.5  # the longest wait between two looks at the progress files
+
+
+def poll_period(hang_timeout_s: float) -> float | None:
+    """How often the watchdog looks at the progress files: a tenth of the timeout, at most
+    ``POLL_MAX_S`` and at least 0.05 s; ``None`` when the watchdog is off (timeout 0)."""
+    if hang_timeout_s <= 0:
+        return None
+    return min(POLL_MAX_S, max(0.05, hang_timeout_s / 10))
+
+
+def progress_change_time(now: float, previous_poll: float, age_s: float) -> float:
+    """When a progress file that changed since the poll at ``previous_poll`` changed: ``now``
+    minus the file's age (``age_s``, from its mtime on the wall clock), clamped to the time
+    since that poll, so that a wall clock that jumps cannot move it outside what was seen."""
+    return now - min(max(age_s, 0.0), max(now - previous_poll, 0.0))
+
+
+def parse_progress(text: bytes) -> tuple[int | None, bool]:
+    """A progress file's content (``rallypoint.manager._progress``): ``(step, finished)``;
+    ``<step>`` after a commit, ``<step> done`` once the Manager shut down (no more commits
+    are coming: the watchdog stops timing the rank). Anything else: ``(None, False)``."""
+    parts = text.split()
+    try:
+        step = int(parts[0]) if parts else None
+    except ValueError:
+        return None, False
+    return step, len(parts) == 2 and parts[1] == b"done"
+
+
+def hung_ranks(now: float, last_change: Sequence[float | None], timeout_s: float) -> list[int]:
+    """The ranks with no progress for ``timeout_s`` seconds at ``now``, the longest silent
+    first (ties: the lower rank). ``last_change[r]`` is when rank ``r``'s progress last
+    changed, ``None`` before its first report in this incarnation: its clock has not
+    started (imports, the first quorum and the first heal are not timed). ``timeout_s`` 0
+    turns the watchdog off."""
+    if timeout_s <= 0:
+        return []
+    late = [(t, r) for r, t in enumerate(last_change) if t is not None and now - t >= timeout_s]
+    return [r for _, r in sorted(late)]
+
+
+def watch_wait(now: float, last_change: Sequence[float | None], timeout_s: float) -> float | None:
+    """How long the main loop may sleep before it must look at the progress files again:
+    the poll period, or less when a rank's deadline comes sooner; ``None`` (no deadline)
+    with the watchdog off."""
+    period = poll_period(timeout_s)
+    if period is None:
+        return None
+    deadlines = [t + timeout_s - now for t in last_change if t is not None]
+    return max(0.0, min([period, *deadlines]))
+
+
 def stop_exit_code(signum: int) -> int:
     """The supervisor's exit code after a requested stop (SIGTERM/SIGINT): ``128 + signum``
     as a shell reports a process killed by that signal (143, 130), so a scheduler can tell
@@ -117,6 +171,7 @@ def stop_exit_code(signum: int) -> int:
 
 
 __all__ = [
-    "DONE", "FAILED", "RUNNING", "Decision", "RestartPolicy", "after_failure", "backoff", "describe_exit",
-    "first_failure", "group_state", "made_progress", "stop_exit_code",
+    "DONE", "FAILED", "POLL_MAX_S", "RUNNING", "Decision", "RestartPolicy", "after_failure", "backoff",
+    "describe_exit", "first_failure", "group_state", "hung_ranks", "made_progress", "parse_progress", "poll_period",
+    "progress_change_time", "stop_exit_code", "watch_wait",
 ]

@@ -3,19 +3,37 @@ start every rank, watch them, and when one fails stop the others and start the g
 (or give up on a crash loop); stop on SIGTERM/SIGINT.
 
 Everything happens on the main thread, which sleeps on one event queue (``Wakeup``): rank
-exits (from a waiter thread per rank), signals, the store host's death. Each restart is
-one structured log line, ``{"event": "restart", ...}``: the failed rank, its cause (exit
-code or signal), the incarnations, its uptime, whether it made progress, the backoff and
-the time from the failure to the new ranks' start (``restart_s``).
+exits (from a waiter thread per rank), signals, the store host's death; with the hang
+watchdog on, it also wakes at least every ``policy.POLL_MAX_S`` (and at the next rank's
+deadline) to look at the ranks' progress files. Each restart is one structured log line,
+``{"event": "restart", ...}``: the failed rank, its cause (exit code, signal or ``hang``),
+the incarnations, its uptime, whether it made progress, the backoff and the time from the
+failure to the new ranks' start (``restart_s``).
+
+The hang watchdog (``--hang-timeout``): each rank's Manager rewrites its progress file
+after a commit (at most once a second, so the clock may start up to a second early); a rank
+whose file has not changed for the timeout is hung. Its clock starts at its first report in
+each incarnation, so imports, the first quorum and the step-0 heal are not timed; a heal
+later in the run, an evaluation or a checkpoint written between commits must fit inside
+the timeout. It stops at ``Manager.shutdown()`` (the file says ``done``) and when the rank
+exits. On a hang every live rank of the group gets ``SIGUSR1`` (``_rank.py`` makes it dump
+all Python stacks to the rank's log: a hang in one rank stalls its peers in collectives
+within a progress report or two, so the rank named first is not always the culprit; the
+dumps show who waits for whom), the supervisor waits for the dumps (at most ``DUMP_WAIT_S``;
+not for a stopped rank, which cannot dump), SIGKILLs the hung rank(s) at once (a rank stuck
+in its training thread cannot act on SIGTERM, a SIGSTOPped one not even receive it), stops
+the others as after a crash, and restarts the group as after a crash, under the same
+crash-loop rule (a hung incarnation has always reported a step, or its clock would not have
+started, so it counts as progress). Every stop sends
+SIGCONT after SIGTERM, so a stopped rank acts on the SIGTERM at once instead of using up
+the grace period.
 
 Exit codes: 0 when every rank exited 0; 128+signal after a requested stop (143 for SIGTERM,
 130 for SIGINT); 1 after a crash loop (``--max-restarts``) or when the store cannot be
 hosted; 2 for a usage error (nothing started).
 
-Seams: warm standbys replace ``_start_rank`` (a started bootstrap that waits instead of a
-new process, see ``_rank.py``); the hang watchdog gives ``_watch`` a deadline (the
-progress files already say when each rank last committed) and ends an incarnation with a
-cause of its own.
+Seam: warm standbys replace ``_start_rank`` (a started bootstrap that waits instead of a
+new process, see ``_rank.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +56,8 @@ from rallypoint.supervisor._procs import Lifeline, RankProcess, StoreHost, Wakeu
 from rallypoint.supervisor.args import USAGE_EXIT, RunConfig, UsageError, config_from_args
 from rallypoint.supervisor.envs import GroupSpec, log_prefix, rank_env
 from rallypoint.supervisor.policy import (
-    DONE, FAILED, after_failure, describe_exit, first_failure, group_state, made_progress, stop_exit_code,
+    DONE, FAILED, after_failure, describe_exit, first_failure, group_state, hung_ranks, made_progress,
+    parse_progress, poll_period, progress_change_time, stop_exit_code, watch_wait,
 )  # fmt: skip
 
 log = logging.getLogger("rallypoint.run")
@@ -46,17 +65,71 @@ log = logging.getLogger("rallypoint.run")
 GAVE_UP_EXIT = 1
 STORE_READY_S = 60.0  # the store host imports torch first
 KILL_WAIT_S = 10.0  # after SIGKILL, for the kernel to reap
+DUMP_WAIT_S = 1.0  # the longest wait for the stack dumps of a hung group
+DUMP_QUIET_S = 0.2  # a rank's dump is complete once its stderr has been quiet this long
 
 
 @dataclass(frozen=True)
 class _End:
-    """How an incarnation ended: ``done``, ``failed`` (``rank``, ``returncode``),
-    ``signal`` (``signum``: a stop was requested) or ``store`` (the store host died)."""
+    """How an incarnation ended: ``done``, ``failed`` (``rank``, ``returncode``), ``hang``
+    (``rank``, the one silent longest; ``hung``, every rank past the timeout; ``silent_s``;
+    ``last_step``), ``signal`` (``signum``: a stop was requested) or ``store`` (the store
+    host died)."""
 
     kind: str
     rank: int = -1
     returncode: int = 0
     signum: int = 0
+    hung: tuple[int, ...] = ()
+    silent_s: float = 0.0
+    last_step: int | None = None
+
+
+class _ProgressWatch:
+    """The hang watchdog's view of one incarnation: each rank's progress file, looked at
+    from the main loop (``check``) at most every poll period, and when it changed. The
+    rules are ``policy``'s."""
+
+    def __init__(self, paths: list[str], timeout_s: float, now: float) -> None:
+        self._paths, self.timeout_s = paths, timeout_s
+        self._period = poll_period(timeout_s) or 0.0
+        self._seen: list[tuple[int, int, bytes] | None] = [None] * len(paths)
+        self.last_change: list[float | None] = [None] * len(paths)
+        self.steps: list[int | None] = [None] * len(paths)
+        self._polled = self._next = now
+
+    def wait(self, now: float) -> float:
+        """How long the main loop may sleep before the next ``check``."""
+        w = watch_wait(now, self.last_change, self.timeout_s)
+        return max(0.0, min(self._next - now, self.timeout_s if w is None else w))
+
+    def forget(self, rank: int) -> None:
+        """A rank that exited is no longer timed."""
+        self.last_change[rank] = None
+
+    def check(self, now: float, exited: list[bool]) -> list[int]:
+        """Look at the files if a poll or a deadline is due; the hung ranks, longest silent first."""
+        if now >= self._next or hung_ranks(now, self.last_change, self.timeout_s):
+            self._poll(now, exited)
+        return hung_ranks(now, self.last_change, self.timeout_s)
+
+    def _poll(self, now: float, exited: list[bool]) -> None:
+        wall = time.time()
+        for rank, path in enumerate(self._paths):
+            if exited[rank]:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    st, content = os.fstat(f.fileno()), f.read(64)
+            except OSError:
+                continue  # no report yet
+            sig = (st.st_ino, st.st_mtime_ns, content)
+            if sig != self._seen[rank]:
+                self._seen[rank] = sig
+                self.steps[rank], finished = parse_progress(content)
+                self.last_change[rank] = None if finished else progress_change_time(
+                    now, self._polled, wall - st.st_mtime_ns / 1e9)
+        self._polled, self._next = now, now + self._period
 
 
 class Supervisor:
@@ -161,10 +234,21 @@ class Supervisor:
         """A rank failed: stop the others, apply the restart rule, reset the store and
         wait out the backoff. An exit code, or the facts of the restart to log."""
         failed_at = time.monotonic()
-        uptime, cause = failed_at - started, describe_exit(end.returncode)
-        self._ranks[end.rank].drain(0.5)
-        log.warning("%s: rank %d failed (%s) %.1fs into incarnation %d; stopping the other ranks",
-                    self._name, end.rank, cause, uptime, incarnation)
+        uptime = failed_at - started
+        if end.kind == "hang":
+            cause = "hang"
+            log.warning("%s: rank %d hung: no progress for %.1fs (last committed step %s) %.1fs into incarnation %d "
+                        "(rank(s) %s past --hang-timeout %g); dumping the group's Python stacks to its log, then "
+                        "SIGKILL to the hung rank(s) and stopping the others", self._name, end.rank, end.silent_s,
+                        end.last_step, uptime, incarnation, list(end.hung), self.cfg.hang_timeout_s)
+            self._dump_stacks()
+            for r in end.hung:
+                self._ranks[r].signal(signal.SIGKILL, group=True)
+        else:
+            cause = describe_exit(end.returncode)
+            self._ranks[end.rank].drain(0.5)
+            log.warning("%s: rank %d failed (%s) %.1fs into incarnation %d; stopping the other ranks",
+                        self._name, end.rank, cause, uptime, incarnation)
         self._stop_ranks()
         committed = self._committed(incarnation)
         self._reports_seen = self._reports_seen or committed
@@ -177,6 +261,9 @@ class Supervisor:
                  "cause": cause, "exit_code": end.returncode if end.returncode >= 0 else None,
                  "signal": cause.split()[1] if end.returncode < 0 else None,
                  "uptime_s": round(uptime, 3), "progress": progressed, "streak": decision.streak}
+        if end.kind == "hang":
+            facts.update(exit_code=None, signal=None, silent_s=round(end.silent_s, 3), last_step=end.last_step,
+                         hung_ranks=list(end.hung))
         if not decision.restart:
             self._event("gave_up", logging.ERROR, **{k: v for k, v in facts.items() if k != "incarnation"})
             log.error("rallypoint run: giving up on %s: %s; the last failure was rank %d (%s) %.1fs after its "
@@ -206,12 +293,17 @@ class Supervisor:
                            self._lifeline, self._outputs, self._locks)
 
     def _watch(self, incarnation: int) -> _End:
-        """Until the incarnation ends. Seam for the hang watchdog: a deadline on this wait."""
+        """Until the incarnation ends: a rank exits, a stop is asked for, the store host
+        dies, or (the watchdog on) a rank is hung."""
         codes: list[int | None] = [None] * self.cfg.nproc
         order: list[tuple[int, int]] = []
+        watch = None
+        if self.cfg.hang_timeout_s > 0:
+            watch = _ProgressWatch([self._progress_path(incarnation, r) for r in range(self.cfg.nproc)],
+                                   self.cfg.hang_timeout_s, time.monotonic())
         while True:
             stop = 0
-            for ev in self._wake.wait(None):
+            for ev in self._wake.wait(None if watch is None else watch.wait(time.monotonic())):
                 if ev[0] == "exit" and ev[1] == incarnation:
                     codes[ev[2]] = ev[3]
                     order.append((ev[2], ev[3]))
@@ -228,15 +320,50 @@ class Supervisor:
                 return _End("failed", rank=failed[0], returncode=failed[1])
             if state == DONE:
                 return _End("done")
+            if watch is not None:
+                exited = [rc is not None for rc in codes]
+                for r in range(self.cfg.nproc):
+                    if exited[r]:
+                        watch.forget(r)
+                now = time.monotonic()
+                hung = watch.check(now, exited)
+                if hung:
+                    first, t = hung[0], watch.last_change[hung[0]]
+                    assert t is not None
+                    return _End("hang", rank=first, hung=tuple(hung), silent_s=now - t, last_step=watch.steps[first])
+
+    def _dump_stacks(self) -> None:
+        """SIGUSR1 to every live rank (each dumps its Python stacks to its log, see
+        ``_rank.py``), then wait until each one that is not stopped has printed something
+        and been quiet for ``DUMP_QUIET_S``, at most ``DUMP_WAIT_S`` in all. A stop signal
+        meanwhile is kept for ``_stop_ranks``."""
+        pending = []
+        for r in self._ranks:
+            if r.popen.returncode is None:
+                before = r.stderr_activity()[0]
+                r.signal(signal.SIGUSR1)
+                if not r.stopped():
+                    pending.append((r, before))
+        deadline = time.monotonic() + DUMP_WAIT_S
+        while True:
+            now = time.monotonic()
+            pending = [(r, before) for r, before in pending if r.popen.returncode is None and not (
+                r.stderr_activity()[0] > before and now - r.stderr_activity()[1] >= DUMP_QUIET_S)]
+            if not pending or now >= deadline:
+                return
+            for ev in self._wake.wait(min(deadline - now, DUMP_QUIET_S / 4)):
+                if ev[0] == "signal":
+                    self._stop_signal = self._stop_signal or ev[1]
 
     def _stop_ranks(self) -> None:
-        """SIGTERM to every live rank, SIGKILL (to its process group) after the grace
-        period; a second stop signal meanwhile skips the rest of the grace period."""
+        """SIGTERM (and SIGCONT) to every live rank, SIGKILL (to its process group) after the
+        grace period; a second stop signal meanwhile skips the rest of the grace period."""
         def alive() -> list[RankProcess]:
             return [r for r in self._ranks if r.popen.returncode is None]
 
         for r in alive():
             r.signal(signal.SIGTERM)
+            r.signal(signal.SIGCONT)  # a stopped rank acts on the SIGTERM now, not after the grace period
         deadline, killed = time.monotonic() + self.cfg.grace_s, False
         while alive():
             remaining = deadline - time.monotonic()
