@@ -353,9 +353,11 @@ class _GuardedH11(H11Protocol):
 
 
 def _parse_bind(bind: str) -> tuple[str, int]:
-    """(host, port) of a bind address; ``*`` means every interface, https is refused."""
+    """(host, port) of a bind address; ``*`` means every interface; a URL scheme is refused
+    (TLS is the certificate's business, not the bind's)."""
     if bind.strip().lower().startswith("https://"):
-        raise ValueError(f"bind {bind!r}: the lighthouse HTTP endpoint serves plain http, not https")
+        raise ValueError(f"bind {bind!r}: a bind address is host:port; the endpoint serves https when the "
+                         "lighthouse has a TLS certificate (--tls-cert/--tls-key)")
     text = bind.strip()
     bare_port = text.startswith(":") and text[1:].isdigit()  # ":29511" = every interface
     host, port = addrs.split_host_port("*" + text if bare_port else text)
