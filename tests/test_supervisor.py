@@ -20,6 +20,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -248,17 +249,43 @@ def test_a_cached_store_connection_survives_a_store_reset() -> None:
 
     from rallypoint.process_groups._store import StoreClients, fresh_prefix_store
 
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    port, clients, t = server.port, StoreClients(), timedelta(seconds=5)
-    _, first = fresh_prefix_store(f"127.0.0.1:{port}/rallypoint/1/0", rank=0, quorum_id=1, group_rank=0,
-                                  timeout=t, clients=clients)
-    del server
-    gc.collect()
-    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # what `reset` does
+    t = timedelta(seconds=5)
+    for _attempt in range(5):
+        server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port, clients = server.port, StoreClients()
+        _, first = fresh_prefix_store(f"127.0.0.1:{port}/rallypoint/1/0", rank=0, quorum_id=1, group_rank=0,
+                                      timeout=t, clients=clients)
+        del server
+        gc.collect()
+        try:  # what `reset` does; the released port may be taken meanwhile: then again on a new one
+            server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+            break
+        except RuntimeError:
+            continue
+    else:
+        raise AssertionError("the released port was taken 5 times in a row")
     store, prefix = fresh_prefix_store(f"127.0.0.1:{port}/rallypoint/2/0", rank=0, quorum_id=2, group_rank=0,
                                        timeout=t, clients=clients)
     store.set("k", "v")
     assert server.get(f"{prefix}/k") == b"v" and prefix.endswith("/a1")
+
+
+def test_the_store_host_moves_when_its_port_was_taken() -> None:
+    """``reset`` reopens on the same port; when another process took it in between, on a
+    new one (reported, so the next incarnation's ranks get it) instead of failing."""
+    from rallypoint.supervisor._store_host import reopen
+
+    opened: list[int] = []
+
+    def open_store(port: int) -> Any:
+        if port == 4000:
+            raise RuntimeError("The server socket has failed to listen on any local network address: "
+                               "address already in use")
+        opened.append(port)
+        return type("Store", (), {"port": 5123 if port == 0 else port})()
+
+    assert reopen(open_store, 4001)[1] == 4001 and opened == [4001]
+    assert reopen(open_store, 4000)[1] == 5123 and opened == [4001, 0]
 
 
 DUMPER = textwrap.dedent(

@@ -255,7 +255,8 @@ class StoreHost:
             raise RuntimeError(f"the store host is gone ({e})") from None
 
     def reset(self, timeout: float) -> int:
-        """A fresh, empty store on the same port (between incarnations)."""
+        """A fresh, empty store (between incarnations); its port: the same one unless
+        another process took it meanwhile."""
         self._send("reset")
         return self.port(timeout)
 

@@ -6,10 +6,13 @@ the supervisor).
 One line each way:
 - once the store listens it prints ``{"port": P}`` (``{"error": "..."}`` and exit 1 if it
   cannot, e.g. the port is taken);
-- ``reset`` on stdin: close the store and open a fresh, empty one on the same port, then
-  print ``{"port": P}`` again. The supervisor does it between incarnations, so keys that
-  torch itself writes without a per-restart prefix (``init_process_group``'s rendezvous,
-  an NCCL unique id) never leak into the next incarnation, while the address stays fixed;
+- ``reset`` on stdin: close the store and open a fresh, empty one, then print
+  ``{"port": P}`` again. The supervisor does it between incarnations, so keys that torch
+  itself writes without a per-restart prefix (``init_process_group``'s rendezvous, an NCCL
+  unique id) never leak into the next incarnation. It reopens on the same port, so the
+  address normally stays fixed; a port released is a port another process may take in
+  between, so when that happened it opens on a port the OS picks and reports that one
+  (the supervisor gives it to the next incarnation's ranks);
 - ``guard PGID...`` on stdin: the process groups of the running ranks (no answer);
   ``guard`` alone: none;
 - end of stdin (the supervisor finished, or died, even by SIGKILL: the kernel closes its
@@ -28,12 +31,24 @@ import shutil
 import signal
 import sys
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 
 def _say(**kw: Any) -> None:
     sys.stdout.write(json.dumps(kw) + "\n")
     sys.stdout.flush()
+
+
+def reopen(open_store: Callable[[int], Any], port: int) -> tuple[Any, int]:
+    """A fresh store on ``port``, or, when another process took that port while it was
+    free, on one the OS picks; the store and its port."""
+    try:
+        return open_store(port), port
+    except Exception as taken:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
+        store = open_store(0)
+        sys.stderr.write(f"the store's port {port} was taken while it was reopened ({taken}); "
+                         f"moved to port {store.port}\n")
+        return store, int(store.port)
 
 
 def main(argv: list[str]) -> int:
@@ -68,9 +83,9 @@ def main(argv: list[str]) -> int:
             del store
             gc.collect()  # the server closes its socket when the last reference goes
             try:
-                store = open_store(port)
+                store, port = reopen(open_store, port)
             except Exception as e:  # noqa: BLE001
-                _say(error=f"cannot reopen the replica group's store on {host}:{port}: {e}")
+                _say(error=f"cannot reopen the replica group's store on {host}: {e}")
                 return 1
             _say(port=port)
 

@@ -49,6 +49,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -145,6 +146,7 @@ class Supervisor:
         self._lifeline = Lifeline()
         self._rundir = tempfile.mkdtemp(prefix="rallypoint-run-")
         self._store: StoreHost | None = None
+        self._spec: GroupSpec | None = None  # set once the store listens; its port may move at a restart
         self._ranks: list[RankProcess] = []
         self._stop_signal = 0
         self._streak = 0  # consecutive failed incarnations without progress
@@ -192,7 +194,7 @@ class Supervisor:
         except (OSError, RuntimeError, ValueError) as e:
             log.error("%s: cannot host the group's store: %s", self._name, e)
             return 1
-        spec = GroupSpec(cfg.nproc, cfg.master_addr, port, cfg.group_id, cfg.lighthouse, cfg.policy.max_restarts)
+        self._spec = GroupSpec(cfg.nproc, cfg.master_addr, port, cfg.group_id, cfg.lighthouse, cfg.policy.max_restarts)
         log.info("%s: %d rank(s) of %s, store %s:%d, lighthouse %s", self._name, cfg.nproc, cfg.target,
                  cfg.master_addr, port, cfg.lighthouse or "from the environment")
         incarnation, restart = 0, None
@@ -204,7 +206,7 @@ class Supervisor:
             self._ranks = []
             try:
                 for r in range(cfg.nproc):
-                    self._ranks.append(self._start_rank(spec, r, incarnation))
+                    self._ranks.append(self._start_rank(self._spec, r, incarnation))
             except OSError as e:
                 log.error("%s: cannot start rank %d: %s", self._name, len(self._ranks), e)
                 return 1
@@ -272,10 +274,15 @@ class Supervisor:
             return GAVE_UP_EXIT
         assert self._store is not None
         try:
-            self._store.reset(STORE_READY_S)  # fresh keys, same address
+            port = self._store.reset(STORE_READY_S)  # fresh keys; the same port unless it was taken
         except (RuntimeError, ValueError) as e:
             log.error("%s: cannot reset the group's store: %s", self._name, e)
             return 1
+        assert self._spec is not None
+        if port != self._spec.master_port:
+            log.warning("%s: the group's store moved to port %d (port %d was taken)", self._name, port,
+                        self._spec.master_port)
+            self._spec = dataclasses.replace(self._spec, master_port=port)
         log.info("%s: restarting in %.2fs (%s)", self._name, decision.backoff_s, decision.reason)
         if self._sleep(decision.backoff_s):
             return self._stopped()
