@@ -1,0 +1,110 @@
+"""How a :class:`~rallypoint.manager.Manager` joins its replica group: the group's store
+(the caller's, or one it hosts), group rank 0's ManagerServer and the address and replica
+id it publishes in the store, every rank's client of that server, and the peer-down relay
+that carries the lighthouse's death notices to the other ranks. Apart from the Manager so
+that the step path (quorum, allreduce, commit) reads on its own."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from datetime import timedelta
+from typing import Any, Callable
+
+from torch.distributed import DistNetworkError, DistStoreError, PrefixStore
+
+from rallypoint.manager._config import env as _env
+from rallypoint.manager._peer_relay import PeerDownRelay
+from rallypoint.manager._store import open_store as _open_store, plan_store as _plan_store, store_prefix as _store_prefix
+from rallypoint.manager.client import ManagerClient
+
+#: Store keys under which group rank 0 publishes its server's address and the replica id.
+MANAGER_ADDR_KEY = "manager_addr"
+REPLICA_ID_KEY = "replica_id"
+
+
+class GroupConnection:
+    """The Manager's part that connects it to its replica group (called once, from
+    ``Manager.__init__``)."""
+
+    _group_rank: int
+    _group_world_size: int
+    _connect_timeout: timedelta
+    _log: logging.LoggerAdapter
+    _server: Any
+    _client: Any
+    _relay: PeerDownRelay | None
+    _replica_id: str
+    _lighthouse_addr: str | None
+    _store: PrefixStore
+    _store_host: str
+    _store_port: int
+    _on_peer_down: Callable[[str, str], None]  # FailFast's: what a peer's death does here
+
+    def _connect(
+        self,
+        store_addr: str | None,
+        store_port: int | None,
+        lighthouse_addr: str | None,
+        replica_id: str | None,
+        port: int | None,
+        hostname: str,
+        heartbeat_interval: timedelta,
+        quorum_retries: int,
+    ) -> None:
+        plan = _plan_store(store_addr, store_port, hostname, os.environ)
+        is_master = self._group_rank == 0
+        raw = _open_store(plan, self._group_rank, self._group_world_size, self._connect_timeout, self._log)
+        self._store_host, self._store_port = plan.host, int(raw.port)
+        prefix = _store_prefix(os.environ)
+        self._store = PrefixStore(prefix, raw)
+        if is_master:
+            lh = _env(lighthouse_addr, "RALLYPOINT_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE")
+            if lh is None:
+                raise ValueError("no lighthouse address: pass lighthouse_addr or set RALLYPOINT_LIGHTHOUSE")
+            self._lighthouse_addr = lh
+            rid = _env(replica_id, "REPLICA_GROUP_ID")
+            rid = f"{rid}:{uuid.uuid4()}" if rid else str(uuid.uuid4())
+            mport = int(_env(port, "RALLYPOINT_MANAGER_PORT", "TORCHFT_MANAGER_PORT") or 0)
+            from rallypoint.manager.server import ManagerServer
+
+            self._server = ManagerServer(
+                replica_id=rid,
+                lighthouse_addr=lh,
+                hostname=hostname,
+                bind=f"0.0.0.0:{mport}",
+                store_addr=f"{plan.advertise}:{self._store_port}",
+                world_size=self._group_world_size,
+                heartbeat_interval=heartbeat_interval,
+                connect_timeout=self._connect_timeout,
+                quorum_retries=quorum_retries,
+                on_peer_down=self._on_peer_down,
+            )
+            self._store.set(MANAGER_ADDR_KEY, self._server.address())
+            self._store.set(REPLICA_ID_KEY, rid)
+        try:
+            addr = self._store.get(MANAGER_ADDR_KEY).decode()
+            self._replica_id = self._store.get(REPLICA_ID_KEY).decode()
+        except (DistStoreError, DistNetworkError) as e:
+            raise TimeoutError(
+                f"group rank {self._group_rank}: group rank 0 did not publish its manager address in the store "
+                f"{plan.host}:{plan.port} (keys under {prefix}/) within {self._connect_timeout.total_seconds():.0f}s; "
+                "is group rank 0 running, with the same store and the same TORCHELASTIC_RESTART_COUNT?"
+            ) from e
+        self._log.extra["replica_id"] = self._replica_id  # type: ignore[index]
+        if self._server is not None:
+            from rallypoint.manager._local import LocalManagerClient
+
+            self._client = LocalManagerClient(self._server)  # no gRPC round trip to ourselves
+        else:
+            self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
+        if self._group_world_size > 1:
+            self._relay = PeerDownRelay(self._store_host, self._store_port, self._group_rank, self._on_peer_down,
+                                        self._connect_timeout, prefix=prefix)
+            if not is_master:
+                self._relay.start()
+        self._log.info("manager ready: server %s, store %s:%d", addr, self._store_host, self._store_port)
+
+
+__all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "GroupConnection"]
