@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from rallypoint._net import __version__
-from rallypoint._net.auth import AUTH_HINT, TokenInterceptor, job_token
+from rallypoint._net.auth import TokenInterceptor, job_token
 from rallypoint._net.limits import MAX_REASON_BYTES, clip
 from rallypoint._net.rpc import channel_options, server_options, unary_handler
 from rallypoint._net.tls import TlsConfig, add_port, aio_channel, check_server, tls_config

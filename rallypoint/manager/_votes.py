@@ -59,7 +59,9 @@ def claim_rank(bound: Mapping[int, str], rank: int, key: str | None) -> str | No
     return None
 
 
-def _new_future() -> asyncio.Future:
+def new_future() -> asyncio.Future:
+    """A future on the running loop whose unobserved failure is not logged (the server's
+    rounds use it: a failure nobody is left waiting for is not worth a warning)."""
     fut = asyncio.get_running_loop().create_future()
     # A failure nobody is left waiting for (every rank gave up) is not worth a warning.
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -71,7 +73,7 @@ class CommitRound:
     """The votes of one step, and the decision every voter waits on."""
 
     votes: dict[int, bool] = field(default_factory=dict)
-    decision: asyncio.Future = field(default_factory=_new_future)
+    decision: asyncio.Future = field(default_factory=new_future)
 
 
 class CommitVotes:
@@ -136,4 +138,4 @@ class CommitVotes:
 
 
 __all__ = ["DECIDED_KEEP", "MAX_RANK_KEY_CHARS", "RANK_KEY_HEADER", "CommitRound", "CommitVotes", "claim_rank",
-           "new_rank_key"]
+           "new_future", "new_rank_key"]

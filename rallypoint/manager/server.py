@@ -42,7 +42,7 @@ from rallypoint._net.addr import is_loopback, split_host_port
 from rallypoint.lighthouse.client import LighthouseClient, LivenessStream, Quorum
 from rallypoint.manager.client import result_to_pb
 from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
-from rallypoint.manager._votes import RANK_KEY_HEADER, CommitVotes, claim_rank, new_rank_key
+from rallypoint.manager._votes import RANK_KEY_HEADER, CommitVotes, claim_rank, new_future, new_rank_key
 
 log = logging.getLogger("rallypoint.manager")
 
@@ -58,13 +58,6 @@ def _discard(held: set[Any], item: Any, _task: object) -> None:
     held.discard(item)
 
 
-def _new_future() -> asyncio.Future:
-    fut = asyncio.get_running_loop().create_future()
-    # A failure nobody is left waiting for (every rank gave up) is not worth a warning.
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return fut
-
-
 @dataclass(eq=False)
 class _QuorumRound:
     """The group's pending Quorum requests for one step."""
@@ -73,7 +66,7 @@ class _QuorumRound:
     first_at: float
     requests: dict[int, pb.ManagerQuorumRequest] = field(default_factory=dict)
     deadlines: dict[int, float | None] = field(default_factory=dict)
-    result: asyncio.Future = field(default_factory=_new_future)
+    result: asyncio.Future = field(default_factory=new_future)
     fired: bool = False
 
 

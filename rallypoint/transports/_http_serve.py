@@ -114,9 +114,13 @@ def int_param(query: dict[str, list[str]], name: str) -> int:
     values = query.get(name)
     if not values:
         raise BadRequest(422, f"query parameter {name!r} is required")
-    raw = values[-1]
+    return to_int(values[-1], f"query parameter {name!r}")
+
+
+def to_int(raw: str, what: str) -> int:
+    """``raw`` as an integer; :class:`BadRequest` 422 naming ``what`` otherwise."""
     if not raw.isascii() or not raw.lstrip("-").isdigit() or len(raw) > 20:
-        raise BadRequest(422, f"query parameter {name!r} must be an integer, got {raw[:40]!r}")
+        raise BadRequest(422, f"{what} must be an integer, got {raw[:40]!r}")
     return int(raw)
 
 
@@ -310,4 +314,4 @@ class CheckpointServer:
         return self._acceptor.is_alive()
 
 
-__all__ = ["BadRequest", "CheckpointServer", "Reply", "Request", "_Served", "int_param", "parse_head"]
+__all__ = ["BadRequest", "CheckpointServer", "Reply", "Request", "_Served", "int_param", "parse_head", "to_int"]

@@ -43,7 +43,6 @@ tensors) plus, with ``into=`` and ``in_place=False``, the target until the copy.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import io
 import logging
 import socket
@@ -61,7 +60,7 @@ from rallypoint._net.addr import is_loopback
 from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES
 from rallypoint._net.tls import TlsConfig, check_server, client_ssl_context, server_ssl_context, tls_config
 from rallypoint.transports import wire
-from rallypoint.transports._http_serve import CheckpointServer, Reply, Request, _Served, int_param
+from rallypoint.transports._http_serve import CheckpointServer, Reply, Request, _Served, int_param, to_int
 from rallypoint.transports._http_util import (
     SourceRefused,
     TransferError,
@@ -198,7 +197,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         parts = request.parts
         if len(parts) != 3 or parts[0] != "checkpoint" or parts[2] not in ("header", "data", "full"):
             return Reply(404, "not found: the routes are /checkpoint/{step}/header, /data?start=&end= and /full")
-        step = int_param({"step": [parts[1]]}, "step")
+        step = to_int(parts[1], "the step in the path")
         served = self._lookup(step)
         if isinstance(served, Reply):
             return served
