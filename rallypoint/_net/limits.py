@@ -10,6 +10,7 @@ MAX_ADDRESS_BYTES = 1024  # a host:port, a URL, a store address
 MAX_REASON_BYTES = 1024  # kill and goodbye reasons
 MAX_DATA_BYTES = 64 * 1024  # a quorum request's JSON step statistics
 MAX_CHECKPOINT_METADATA_BYTES = 4096  # what a rank tells its peers about where to heal from
+MAX_EVENT_DETAILS_BYTES = 4096  # a supervisor event's JSON fields (ReportEvent)
 
 
 def utf8_len(value: str) -> int:
@@ -25,5 +26,5 @@ def clip(value: str, limit: int) -> str:
     return value.encode("utf-8", "surrogatepass")[: limit - utf8_len(mark)].decode("utf-8", "ignore") + mark
 
 
-__all__ = ["MAX_ADDRESS_BYTES", "MAX_CHECKPOINT_METADATA_BYTES", "MAX_DATA_BYTES", "MAX_REASON_BYTES",
-           "MAX_REPLICA_ID_BYTES", "clip", "utf8_len"]
+__all__ = ["MAX_ADDRESS_BYTES", "MAX_CHECKPOINT_METADATA_BYTES", "MAX_DATA_BYTES", "MAX_EVENT_DETAILS_BYTES",
+           "MAX_REASON_BYTES", "MAX_REPLICA_ID_BYTES", "clip", "utf8_len"]

@@ -83,3 +83,19 @@ class KillReplicaResponse(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     address: str
     def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class SupervisorEvent(_message.Message):
+    __slots__ = ("group", "kind", "details")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    kind: str
+    details: str
+    def __init__(self, group: _Optional[str] = ..., kind: _Optional[str] = ..., details: _Optional[str] = ...) -> None: ...
+
+class ReportEventResponse(_message.Message):
+    __slots__ = ("event_id",)
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    event_id: int
+    def __init__(self, event_id: _Optional[int] = ...) -> None: ...

@@ -50,6 +50,11 @@ class RallypointLighthouseStub:
                 request_serializer=rallypoint__pb2.KillReplicaRequest.SerializeToString,
                 response_deserializer=rallypoint__pb2.KillReplicaResponse.FromString,
                 _registered_method=True)
+        self.ReportEvent = channel.unary_unary(
+                '/rallypoint.RallypointLighthouse/ReportEvent',
+                request_serializer=rallypoint__pb2.SupervisorEvent.SerializeToString,
+                response_deserializer=rallypoint__pb2.ReportEventResponse.FromString,
+                _registered_method=True)
 
 
 class RallypointLighthouseServicer:
@@ -75,6 +80,14 @@ class RallypointLighthouseServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEvent(self, request, context):
+        """Record a supervisor's event in the event log. Rate-limited per group: an event over
+        the limit is dropped and answered RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RallypointLighthouseServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +105,11 @@ def add_RallypointLighthouseServicer_to_server(servicer, server):
                     servicer.KillReplica,
                     request_deserializer=rallypoint__pb2.KillReplicaRequest.FromString,
                     response_serializer=rallypoint__pb2.KillReplicaResponse.SerializeToString,
+            ),
+            'ReportEvent': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEvent,
+                    request_deserializer=rallypoint__pb2.SupervisorEvent.FromString,
+                    response_serializer=rallypoint__pb2.ReportEventResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +193,33 @@ class RallypointLighthouse:
             '/rallypoint.RallypointLighthouse/KillReplica',
             rallypoint__pb2.KillReplicaRequest.SerializeToString,
             rallypoint__pb2.KillReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEvent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rallypoint.RallypointLighthouse/ReportEvent',
+            rallypoint__pb2.SupervisorEvent.SerializeToString,
+            rallypoint__pb2.ReportEventResponse.FromString,
             options,
             channel_credentials,
             insecure,

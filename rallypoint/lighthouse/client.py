@@ -143,6 +143,28 @@ class LighthouseClient:
             raise translate_rpc_error(e, f"kill of replica {replica_id} via {self.addr}", timeout) from None
         return resp.address
 
+    def report_event(self, group: str, kind: str, details: dict[str, Any] | None = None, timeout: float = 5.0) -> int:
+        """Record a ``rallypoint run`` event (``restart``, ``gave_up``, ``stopped``,
+        ``started``) of replica group ``group`` in the lighthouse's event log; returns its
+        event id. ``details``: a flat JSON object (scalars, short lists) of at most 4 KiB.
+
+        Raises NotImplementedError when the lighthouse has no such RPC (torchft's), so a
+        caller can stop trying; ValueError when the event was refused as malformed;
+        ConnectionError (RESOURCE_EXHAUSTED) when it was dropped by the rate limit."""
+        call = self._channel.unary_unary(
+            "/rallypoint.RallypointLighthouse/ReportEvent",
+            request_serializer=rpb.SupervisorEvent.SerializeToString,
+            response_deserializer=rpb.ReportEventResponse.FromString,
+        )
+        msg = rpb.SupervisorEvent(group=group, kind=kind, details=json.dumps(details or {}, separators=(",", ":")))
+        try:
+            return call(msg, timeout=timeout, metadata=self._metadata).event_id
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise NotImplementedError(f"the lighthouse at {self.addr} does not accept reported events "
+                                          f"(torchft's lighthouse?): {e.details()}") from None
+            raise translate_rpc_error(e, f"{kind} event of group {group} to {self.addr}", timeout) from None
+
     def close(self) -> None:
         self._channel.close()
 

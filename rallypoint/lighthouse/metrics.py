@@ -50,7 +50,9 @@ QUORUM_LATENCY_BUCKETS: tuple[float, ...] = (
 #: Label values created up front (at zero) so that dashboards and alerts see the series
 #: before the first event, instead of "no data" that is easy to misread as "fine".
 KNOWN_DOWN_REASONS: tuple[str, ...] = ("stream_broken", "goodbye", "heartbeat_expired")
-KNOWN_REJECT_REASONS: tuple[str, ...] = ("invalid_argument", "unauthenticated")
+KNOWN_REJECT_REASONS: tuple[str, ...] = ("invalid_argument", "unauthenticated", "rate_limited")
+#: The kinds of event a ``rallypoint run`` supervisor reports (``reports.EVENT_KINDS``).
+KNOWN_RUN_EVENTS: tuple[str, ...] = ("restart", "gave_up", "stopped", "started")
 REPLICA_STATES: tuple[str, ...] = ("healthy", "participating", "attached")
 
 
@@ -121,6 +123,15 @@ class LighthouseMetrics:
             ["reason"],
             registry=r,
         )
+        self._run_events = Counter(
+            "rallypoint_lighthouse_run_events",
+            "Events reported by `rallypoint run` supervisors and recorded, by kind "
+            "(a rising restart count is a group that keeps failing).",
+            ["kind"],
+            registry=r,
+        )
+        for kind in KNOWN_RUN_EVENTS:
+            self._run_events.labels(kind=kind)
         for state in REPLICA_STATES:
             self._replicas.labels(state=state).set(0)
         for reason in KNOWN_DOWN_REASONS:
@@ -172,6 +183,10 @@ class LighthouseMetrics:
     def rejected(self, reason: str) -> None:
         """Count one request turned away (``invalid_argument``, ``unauthenticated``, ...)."""
         self._rejected.labels(reason=reason).inc()
+
+    def run_event(self, kind: str) -> None:
+        """Count one supervisor event recorded (``restart``, ``gave_up``, ...)."""
+        self._run_events.labels(kind=kind).inc()
 
     def render(self) -> bytes:
         """Prometheus text exposition (format 0.0.4) of this lighthouse's registry."""

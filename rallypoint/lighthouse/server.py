@@ -27,7 +27,7 @@ from rallypoint._net.tls import TlsConfig, add_port, aio_channel, check_server, 
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net import addr as addrs
-from rallypoint.lighthouse import validate
+from rallypoint.lighthouse import reports, validate
 from rallypoint.lighthouse.core import OUTBOX_LIMIT, LighthouseCore, ReplicaDead, _Attachment
 from rallypoint.lighthouse.metrics import LighthouseMetrics
 from rallypoint.lighthouse.quorum import Options
@@ -59,6 +59,7 @@ class _Service:
         self.core = core
         self.metrics = metrics
         self.view = view
+        self.reports = reports.EventIntake(core.store, metrics)
 
     async def status(self, _request: rpb.StatusRequest, _context: grpc.aio.ServicerContext) -> rpb.StatusResponse:
         return rpb.StatusResponse(json=json.dumps(self.view.status()))
@@ -81,6 +82,24 @@ class _Service:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"could not reach the manager of replica {rid}: {e}")
             raise AssertionError("unreachable")
         return rpb.KillReplicaResponse(address=address)
+
+    async def report_event(
+        self, request: rpb.SupervisorEvent, context: grpc.aio.ServicerContext
+    ) -> rpb.ReportEventResponse:
+        """A ``rallypoint run`` supervisor's event, into the event log (:mod:`reports`)."""
+        try:
+            report = reports.supervisor_event(request.group, request.kind, request.details)
+        except validate.InvalidRequest as e:
+            await self._invalid(context, e)
+            raise AssertionError("unreachable")
+        event = self.reports.accept(report, context.peer())
+        if event is None:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"event of group {report.group} dropped: over the lighthouse's rate limit for reported events",
+            )
+            raise AssertionError("unreachable")
+        return rpb.ReportEventResponse(event_id=event.id)
 
     async def _invalid(self, context: grpc.aio.ServicerContext, err: Exception) -> None:
         self.metrics.rejected("invalid_argument")
@@ -215,6 +234,7 @@ def _handlers(service: _Service) -> list[grpc.GenericRpcHandler]:
             "Attach": grpc.stream_stream_rpc_method_handler(service.attach, response_serializer=_raw),
             "Status": unary_handler(service.status, rpb.StatusRequest, _raw, invalid),
             "KillReplica": unary_handler(service.kill_replica, rpb.KillReplicaRequest, _raw, invalid),
+            "ReportEvent": unary_handler(service.report_event, rpb.SupervisorEvent, _raw, invalid),
         },
     )
     return [lighthouse, extension]

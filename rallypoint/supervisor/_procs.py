@@ -112,7 +112,7 @@ class Pump:
     """A thread copying a child's pipe to ``dest`` line by line, each line prefixed."""
 
     def __init__(self, src: IO[bytes], dest: IO[bytes], prefix: str, lock: threading.Lock) -> None:
-        self._src, self._dest, self._prefix, self._lock = src, dest, prefix.encode(), lock
+        self._src, self._dest, self.prefix, self._lock = src, dest, prefix.encode(), lock
         self.lines = 0  # lines copied so far, and when the last one was (monotonic)
         self.last_line_at = 0.0
         self._thread = threading.Thread(target=self._run, name=f"pump {prefix.strip()}", daemon=True)
@@ -125,7 +125,7 @@ class Pump:
                     line += b"\n"
                 with self._lock:
                     try:
-                        self._dest.write(self._prefix + line)
+                        self._dest.write(self.prefix + line)
                         self._dest.flush()
                     except (OSError, ValueError):
                         pass  # our own output is gone (a closed pipe): keep draining the child
@@ -141,23 +141,75 @@ class Pump:
 class RankProcess:
     """One rank of one incarnation: its process (own session, so its process group can be
     killed whole), two output pumps, and a waiter thread that posts
-    ``("exit", incarnation, rank, returncode)`` to ``wakeup``."""
+    ``("exit", incarnation, rank, returncode)`` to ``wakeup``.
 
-    def __init__(self, argv: list[str], env: dict[str, str], rank: int, incarnation: int, prefix: str,
+    A warm standby (``incarnation`` None) is the same, started early with a pipe for its
+    go on stdin: until :meth:`activate` hands it an incarnation its exit is posted as
+    ``("standby_exit", self, returncode)`` instead, which does not end any incarnation."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], rank: int, incarnation: int | None, prefix: str,
                  wakeup: Wakeup, lifeline: Lifeline, outputs: tuple[IO[bytes], IO[bytes]],
                  locks: tuple[threading.Lock, threading.Lock]) -> None:
         self.rank, self.incarnation = rank, incarnation
+        self.standby = incarnation is None
         self.popen = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            argv, env=env, stdin=subprocess.PIPE if self.standby else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             pass_fds=(lifeline.read_fd,), start_new_session=True, preexec_fn=die_with_parent,
         )
         self.pid = self.popen.pid
+        self.started = time.monotonic()
         assert self.popen.stdout is not None and self.popen.stderr is not None
         self._pumps = [Pump(self.popen.stdout, outputs[0], prefix, locks[0]),
                        Pump(self.popen.stderr, outputs[1], prefix, locks[1])]
-        self._waiter = threading.Thread(target=lambda: wakeup.post("exit", incarnation, rank, self.popen.wait()),
-                                        name=f"wait rank {rank}", daemon=True)
+        self._lock = threading.Lock()  # orders an activation against the exit
+        self._exited = False
+        self._waiter = threading.Thread(target=self._wait, args=(wakeup,), name=f"wait rank {rank}", daemon=True)
         self._waiter.start()
+
+    def _wait(self, wakeup: Wakeup) -> None:
+        rc = self.popen.wait()
+        with self._lock:
+            self._exited = True
+            incarnation = self.incarnation
+        if incarnation is None:
+            wakeup.post("standby_exit", self, rc)
+        else:
+            wakeup.post("exit", incarnation, self.rank, rc)
+
+    def activate(self, env: dict[str, str], incarnation: int, prefix: str) -> bool:
+        """A standby becomes ``rank`` of ``incarnation`` with environment ``env``. False if
+        it has exited already (its exit was or will be posted as a standby's: start the rank
+        cold). If it dies from here on, its exit ends the incarnation like any rank's."""
+        with self._lock:
+            if self._exited or not self.standby:
+                return False
+            self.incarnation, self.standby = incarnation, False
+        for p in self._pumps:
+            p.prefix = prefix.encode()
+        # From a thread: a standby still importing reads its go only when done, and an
+        # environment larger than the pipe's buffer must not block the main loop till then.
+        threading.Thread(target=self._send_go, args=(json.dumps({"env": env}).encode(),),
+                         name=f"go rank {self.rank}", daemon=True).start()
+        return True
+
+    def _send_go(self, payload: bytes) -> None:
+        assert self.popen.stdin is not None
+        try:
+            self.popen.stdin.write(payload)
+            self.popen.stdin.close()
+        except (OSError, ValueError):
+            pass  # it is dying: its exit ends the incarnation
+
+    def discard(self) -> None:
+        """A standby no longer needed: the end of its input (it exits 0), then SIGKILL to
+        its process group in case it is busy importing."""
+        if self.popen.stdin is not None:
+            try:
+                self.popen.stdin.close()
+            except OSError:
+                pass
+        self.signal(signal.SIGKILL, group=True)
 
     def signal(self, sig: int, group: bool = False) -> None:
         """Send ``sig`` to the rank (``group``: to its whole process group) if it runs."""

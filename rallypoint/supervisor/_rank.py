@@ -19,14 +19,27 @@ closes or redirects ``sys.stderr`` (or fd 2) does not lose the dump; a script th
 its own ``SIGUSR1`` handler replaces this one (the supervisor then restarts the group
 without a dump).
 
-Seam for warm standbys (not built yet): a standby is this bootstrap started early, with
-torch and ``--preload`` modules imported, that waits for its go (rank, incarnation,
-environment) before it runs the script exactly as below.
+Warm standbys (``--standby [--preload m1,m2]`` before the target): the same bootstrap,
+started ahead of a failure. It imports torch, the torch side of rallypoint and the
+``--preload`` modules (from the script's folder too, as the script would), marks itself
+ready (creates the file named by ``RALLYPOINT_STANDBY_READY``) and waits on its stdin for
+its go: one JSON object ``{"env": {...}}``, the environment of the rank and incarnation it
+becomes (``MASTER_PORT`` and ``TORCHELASTIC_RESTART_COUNT`` are only known then). It
+replaces its environment with that one (``os.environ``, so C++ code reading ``getenv``
+sees it too), points its stdin at ``/dev/null`` as a cold rank's, and runs the script
+exactly as below. End of input without a go means "not needed": it exits 0.
+
+While it imports it runs at ``SCHED_IDLE`` priority when it can return to normal priority
+afterwards (root, or a ``RLIMIT_NICE`` that allows it; a probe thread tries the round trip
+first), so that preparing for the next failure takes no CPU from the group that is
+training, healing or starting; otherwise at normal priority.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import importlib
+import json
 import os
 import runpy
 import signal
@@ -34,6 +47,13 @@ import sys
 import threading
 
 LIFELINE_ENV = "RALLYPOINT_SUPERVISOR_FD"  # rallypoint.supervisor.envs.LIFELINE_ENV
+READY_ENV = "RALLYPOINT_STANDBY_READY"  # rallypoint.supervisor.envs.READY_ENV
+# What every standby imports before the user's --preload modules: torch and the pieces of
+# rallypoint a training script builds first (the Manager, its process groups, DDP).
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "rallypoint.manager.manager", "rallypoint.process_groups",
+                   "rallypoint.integrations.ddp")
+MAX_GO_BYTES = 16 * 1024 * 1024  # the go message is an environment: far below this
+PRELOAD_FAILED_EXIT = 3
 
 
 def _die_with_supervisor(fd: int) -> None:
@@ -92,20 +112,152 @@ def dump_stacks_on_sigusr1() -> bool:
     return True
 
 
+def _sched_idle_reversible() -> bool:
+    """Can this process drop to ``SCHED_IDLE`` and come back? Tried on a throwaway thread
+    (scheduling policies are per thread), so a failed way back strands nothing."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            ok.append(True)
+        except (OSError, AttributeError):
+            pass
+
+    t = threading.Thread(target=probe, name="rallypoint-sched-probe", daemon=True)
+    t.start()
+    t.join(5.0)
+    return bool(ok)
+
+
+def _set_policy(policy: int) -> None:
+    """Every thread of this process to ``policy`` (the standby's threads are few: the
+    lifeline watcher and whatever the imports started)."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except OSError:
+            pass
+
+
+def _preload(modules: list[str]) -> None:
+    """Import what the script will need, so its own imports find them in ``sys.modules``.
+    A module that cannot be imported ends the standby with a message (the supervisor stops
+    making standbys after a few such deaths, and the ranks start cold)."""
+    for name in [*DEFAULT_PRELOAD, *modules]:
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # noqa: BLE001 - whatever a user's module raises
+            print(f"rallypoint run: standby: cannot preload {name!r}: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(PRELOAD_FAILED_EXIT) from None
+
+
+def _read_go() -> dict[str, str] | None:
+    """Block until the supervisor's go (the rank's environment) or the end of stdin (None)."""
+    chunks, size = [], 0
+    while True:
+        try:
+            data = os.read(0, 1 << 16)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            continue
+        if not data:
+            break
+        chunks.append(data)
+        size += len(data)
+        if size > MAX_GO_BYTES:
+            raise ValueError(f"over {MAX_GO_BYTES} bytes")
+    if not size:
+        return None
+    msg = json.loads(b"".join(chunks))
+    env = msg.get("env") if isinstance(msg, dict) else None
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError("no environment of strings")
+    return env
+
+
+def _standby(preload: list[str]) -> bool:
+    """Prepare, wait for the go and become the rank; False: not needed (exit quietly).
+
+    The go is read by a thread started first, at normal priority: a go that arrives while
+    the imports still run (a failure soon after the standby started) restores normal
+    priority at once, so the rest of the imports do not crawl at ``SCHED_IDLE`` behind the
+    training that now waits for this rank."""
+    got: dict[str, object] = {}
+    done = threading.Event()
+    idle = _sched_idle_reversible()
+
+    def read() -> None:
+        try:
+            got["env"] = _read_go()
+        except (SystemExit, ValueError) as e:
+            got["error"] = e
+        if idle:
+            _set_policy(os.SCHED_OTHER)
+        done.set()
+
+    threading.Thread(target=read, name="rallypoint-standby-go", daemon=True).start()
+    if idle:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread; new ones inherit it
+        except OSError:
+            idle = False
+    _preload(preload)
+    ready = os.environ.get(READY_ENV)
+    if ready:
+        with open(ready, "w"):
+            pass
+    done.wait()
+    if "error" in got:
+        raise SystemExit(f"rallypoint run: standby: a malformed go message ({got['error']})")
+    env = got.get("env")
+    if not isinstance(env, dict):
+        return False
+    env.pop(LIFELINE_ENV, None)  # the lifeline is watched already
+    env.pop(READY_ENV, None)
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+    return True
+
+
 def main(argv: list[str]) -> None:
     watch_lifeline()
     dump_stacks_on_sigusr1()
+    standby, preload = False, []
+    while argv[:1] in (["--standby"], ["--preload"]):
+        if argv[0] == "--standby":
+            standby, argv = True, argv[1:]
+        else:
+            if len(argv) < 2:
+                raise SystemExit("--preload needs a list of modules")
+            preload += [m for m in argv[1].split(",") if m]
+            argv = argv[2:]
     if not argv:
-        raise SystemExit("usage: python -m rallypoint.supervisor._rank [-m module | script.py] args...")
+        raise SystemExit("usage: python -m rallypoint.supervisor._rank [--standby [--preload m1,m2]] "
+                         "[-m module | script.py] args...")
     if argv[0] == "-m":
         if len(argv) < 2:
             raise SystemExit("-m needs a module name")
+        if standby and not _standby(preload):
+            return
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         script = argv[0]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))  # before --preload: the script's own modules
+        if standby and not _standby(preload):
+            return
         sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
         runpy.run_path(script, run_name="__main__")
 
 

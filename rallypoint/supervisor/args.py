@@ -5,14 +5,17 @@ is a usage error (exit 2) before anything starts."""
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 
 from rallypoint.supervisor.policy import RestartPolicy
 
 USAGE_EXIT = 2
 HANG_TIMEOUT_S = 300.0
+STANDBY_DELAY_S = 10.0
 
 DESCRIPTION = """\
 Start the ranks of one replica group (where torchrun was) and keep the group running:
@@ -47,6 +50,9 @@ class RunConfig:
     grace_s: float = 10.0
     hang_timeout_s: float = HANG_TIMEOUT_S
     policy: RestartPolicy = RestartPolicy()
+    standby: bool = True
+    preload: tuple[str, ...] = ()
+    standby_delay_s: float = STANDBY_DELAY_S
 
 
 def _flag(p: argparse.ArgumentParser, name: str, **kw: object) -> None:
@@ -81,6 +87,15 @@ def add_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                "the group. The clock starts at the rank's first committed step in each start (imports, the "
                "first quorum and the first heal are not timed; a heal later on must fit in S). "
                f"0: no watchdog ({HANG_TIMEOUT_S:g})")
+    p.add_argument("--standby", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep a warm standby process per rank (torch, rallypoint and --preload imported, waiting) "
+                        "that takes the rank's place when the group restarts; --no-standby: restart cold (on)")
+    _flag(p, "preload", default="", metavar="MOD1,MOD2",
+          help="modules the standbys import ahead of time besides torch and rallypoint (the script's heavy "
+               "imports: transformers, your model package); found from the script's folder too")
+    _flag(p, "standby-delay", type=float, default=STANDBY_DELAY_S, metavar="S",
+          help="start the standbys once every rank has committed a step, or S seconds after the group started, "
+               f"whichever is first, so their imports do not slow the group's own start ({STANDBY_DELAY_S:g})")
     _flag(p, "master-addr", default="127.0.0.1", metavar="HOST",
           help="MASTER_ADDR the ranks reach the group's store at (127.0.0.1; it listens on every interface)")
     _flag(p, "master-port", type=int, default=0, metavar="PORT", help="the store's port (0: one the OS picks)")
@@ -105,6 +120,22 @@ def _check_target(target: str, module: bool) -> None:
                          "or -m module")
 
 
+def _check_preload(raw: str, target: str, module: bool) -> tuple[str, ...]:
+    """``--preload a,b.c``: dotted names whose top-level package can be found (on the
+    path, or beside the script, where the standby looks too). Found, not imported: the
+    supervisor imports no user code."""
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    where = [] if module else [os.path.dirname(os.path.abspath(target))]
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise UsageError(f"--preload: {name!r} is not a module name")
+        top = name.split(".", 1)[0]
+        if importlib.machinery.PathFinder.find_spec(top, [*where, *sys.path]) is None \
+                and importlib.util.find_spec(top) is None:
+            raise UsageError(f"--preload: no module named {top!r}; is it installed, or beside the script?")
+    return names
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Validate the parsed command line; ``UsageError`` names the problem."""
     if args.nproc_per_node < 1:
@@ -116,12 +147,14 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise UsageError(f"--master-port {args.master_port} is not in 0..65535")
     for flag, value in (("--max-restarts", args.max_restarts), ("--restart-backoff", args.restart_backoff),
                         ("--restart-backoff-cap", args.restart_backoff_cap), ("--min-healthy-s", args.min_healthy_s),
-                        ("--grace-period", args.grace_period), ("--hang-timeout", args.hang_timeout)):
+                        ("--grace-period", args.grace_period), ("--hang-timeout", args.hang_timeout),
+                        ("--standby-delay", args.standby_delay)):
         if not value >= 0:  # NaN too
             raise UsageError(f"{flag} must not be negative, not {value}")
     if args.replica_group_id is not None and not str(args.replica_group_id).strip():
         raise UsageError("--replica-group-id is empty")
     _check_target(args.target, args.module)
+    preload = _check_preload(args.preload, args.target, args.module)
     return RunConfig(
         nproc=args.nproc_per_node,
         target=args.target,
@@ -135,7 +168,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         hang_timeout_s=args.hang_timeout,
         policy=RestartPolicy(max_restarts=args.max_restarts, backoff_s=args.restart_backoff,
                              backoff_cap_s=args.restart_backoff_cap, min_healthy_s=args.min_healthy_s),
+        standby=args.standby,
+        preload=preload,
+        standby_delay_s=args.standby_delay,
     )
 
 
-__all__ = ["HANG_TIMEOUT_S", "RunConfig", "USAGE_EXIT", "UsageError", "add_run_parser", "config_from_args"]
+__all__ = ["HANG_TIMEOUT_S", "STANDBY_DELAY_S", "RunConfig", "USAGE_EXIT", "UsageError", "add_run_parser", "config_from_args"]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 PROGRESS_ENV = "RALLYPOINT_SUPERVISOR_PROGRESS"
 LIFELINE_ENV = "RALLYPOINT_SUPERVISOR_FD"
+READY_ENV = "RALLYPOINT_STANDBY_READY"  # a standby creates this file once its imports are done
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ def rank_env(
     if spec.lighthouse is not None:
         env["RALLYPOINT_LIGHTHOUSE"] = spec.lighthouse
         env.setdefault("TORCHFT_LIGHTHOUSE", spec.lighthouse)
+    env.pop(READY_ENV, None)
     for key, value in ((PROGRESS_ENV, progress_path), (LIFELINE_ENV, lifeline_fd)):
         if value is None:
             env.pop(key, None)  # never a stale one from an outer supervisor
@@ -85,4 +87,4 @@ def log_prefix(group_id: str | None, rank: int | str) -> str:
     return f"[g{group_id} {who}] " if group_id is not None else f"[{who}] "
 
 
-__all__ = ["LIFELINE_ENV", "PROGRESS_ENV", "GroupSpec", "log_prefix", "rank_env"]
+__all__ = ["LIFELINE_ENV", "PROGRESS_ENV", "READY_ENV", "GroupSpec", "log_prefix", "rank_env"]

@@ -25,7 +25,7 @@ RUNNING, DONE, FAILED = "running", "done", "failed"
 class RestartPolicy:
     """``max_restarts``: how many consecutive restarts without progress are allowed before
     the supervisor gives up (a crash loop: a bad host, a broken script). ``backoff_s``: the
-    wait before the first such restart, doubled for each further one and capped at
+    wait before the first such restart (a restart after progress waits for nothing), doubled for each further one and capped at
     ``backoff_cap_s``. ``min_healthy_s``: for scripts that never report a committed step
     (no ``Manager``), an incarnation that lived this long counts as progress."""
 
@@ -77,10 +77,34 @@ def made_progress(committed: bool, uptime_s: float, reports_seen: bool, policy: 
 
 
 def backoff(policy: RestartPolicy, streak: int) -> float:
-    """The wait before a restart: ``backoff_s`` after an incarnation that made progress
-    (``streak`` 0) or after the first one that did not, doubling per further one, capped."""
-    n = max(0, streak - 1)
-    return min(policy.backoff_cap_s, policy.backoff_s * (2.0 ** min(n, 60)))
+    """The wait before a restart: none after an incarnation that made progress (``streak``
+    0: the group was healthy, and every second it is away is lost goodput), ``backoff_s``
+    after the first one that did not, doubling per further one, capped."""
+    if streak <= 0:
+        return 0.0
+    return min(policy.backoff_cap_s, policy.backoff_s * (2.0 ** min(streak - 1, 60)))
+
+
+STANDBY_DEATHS_MAX = 3  # standbys that died in a row before one became ready: stop making them
+
+
+def standby_refill_delay(deaths_in_a_row: int) -> float | None:
+    """The wait before replacing a warm standby that died while it waited (the OOM killer,
+    someone's ``kill``, a ``--preload`` module that raises): 0.5 s, doubling, at most 30 s;
+    ``None`` after ``STANDBY_DEATHS_MAX`` deaths in a row with none ready in between, since
+    then the standbys cannot start on this host and the ranks start cold (as without
+    standbys) instead of a standby being restarted forever."""
+    if deaths_in_a_row >= STANDBY_DEATHS_MAX:
+        return None
+    return min(30.0, 0.5 * 2.0 ** max(0, deaths_in_a_row - 1))
+
+
+def standby_start_due(now: float, started: float, all_reported: bool, delay_s: float) -> bool:
+    """Start the next incarnation's warm standbys now? Once every rank of the running
+    incarnation has committed a step (its imports, first quorum and heal are done, so the
+    standbys' imports no longer compete with them for the CPU), or ``delay_s`` after it
+    started (a script without a Manager never reports)."""
+    return all_reported or now - started >= delay_s
 
 
 def after_failure(policy: RestartPolicy, streak_before: int, progressed: bool) -> Decision:
@@ -171,7 +195,8 @@ def stop_exit_code(signum: int) -> int:
 
 
 __all__ = [
-    "DONE", "FAILED", "POLL_MAX_S", "RUNNING", "Decision", "RestartPolicy", "after_failure", "backoff",
+    "DONE", "FAILED", "POLL_MAX_S", "RUNNING", "STANDBY_DEATHS_MAX", "Decision", "RestartPolicy", "after_failure",
+    "backoff",
     "describe_exit", "first_failure", "group_state", "hung_ranks", "made_progress", "parse_progress", "poll_period",
-    "progress_change_time", "stop_exit_code", "watch_wait",
+    "progress_change_time", "standby_refill_delay", "standby_start_due", "stop_exit_code", "watch_wait",
 ]

@@ -32,8 +32,13 @@ Exit codes: 0 when every rank exited 0; 128+signal after a requested stop (143 f
 130 for SIGINT); 1 after a crash loop (``--max-restarts``) or when the store cannot be
 hosted; 2 for a usage error (nothing started).
 
-Seam: warm standbys replace ``_start_rank`` (a started bootstrap that waits instead of a
-new process, see ``_rank.py``).
+Warm standbys (on unless ``--no-standby``): once every rank of an incarnation has
+committed a step (or ``--standby-delay`` after its start), one standby per rank is started
+(``_standby.py``; it imports torch, rallypoint and ``--preload``, then waits). A restart
+hands each rank's standby its environment instead of starting a process, and the next
+standbys start once the new incarnation has committed. A standby that dies while waiting
+is replaced (``policy.standby_refill_delay``); the restart line says which ranks started
+warm (``warm_ranks``).
 """
 
 from __future__ import annotations
@@ -54,11 +59,13 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from rallypoint.supervisor._procs import Lifeline, RankProcess, StoreHost, Wakeup
+from rallypoint.supervisor._report import EventReporter
+from rallypoint.supervisor._standby import StandbyPool
 from rallypoint.supervisor.args import USAGE_EXIT, RunConfig, UsageError, config_from_args
-from rallypoint.supervisor.envs import GroupSpec, log_prefix, rank_env
+from rallypoint.supervisor.envs import READY_ENV, GroupSpec, log_prefix, rank_env
 from rallypoint.supervisor.policy import (
     DONE, FAILED, after_failure, describe_exit, first_failure, group_state, hung_ranks, made_progress,
-    parse_progress, poll_period, progress_change_time, stop_exit_code, watch_wait,
+    parse_progress, poll_period, progress_change_time, standby_start_due, stop_exit_code, watch_wait,
 )  # fmt: skip
 
 log = logging.getLogger("rallypoint.run")
@@ -68,6 +75,7 @@ STORE_READY_S = 60.0  # the store host imports torch first
 KILL_WAIT_S = 10.0  # after SIGKILL, for the kernel to reap
 DUMP_WAIT_S = 1.0  # the longest wait for the stack dumps of a hung group
 DUMP_QUIET_S = 0.2  # a rank's dump is complete once its stderr has been quiet this long
+STANDBY_POLL_S = 0.2  # how often the loop looks whether the standbys are due
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,9 @@ class Supervisor:
         self._streak = 0  # consecutive failed incarnations without progress
         self._reports_seen = False  # has any incarnation reported a committed step?
         self._name = "replica group" + (f" {cfg.group_id}" if cfg.group_id is not None else "")
+        self._reporter = EventReporter(cfg.lighthouse or self._environ.get("RALLYPOINT_LIGHTHOUSE")
+                                       or self._environ.get("TORCHFT_LIGHTHOUSE"), cfg.group_id, self._environ)
+        self._pool = StandbyPool(cfg.nproc, self._start_standby, self._rundir, self._name) if cfg.standby else None
 
     # ------------------------------------------------------------------ outer shell
     def run(self) -> int:
@@ -162,6 +173,9 @@ class Supervisor:
             return self._run()
         finally:
             self._kill_all()
+            if self._pool is not None:
+                self._pool.close()
+            self._reporter.close(2.0)
             if self._store is not None:
                 self._store.close()
             for s, h in handlers.items():
@@ -175,6 +189,7 @@ class Supervisor:
 
     def _event(self, kind: str, level: int = logging.INFO, **fields: Any) -> None:
         log.log(level, "%s", json.dumps({"event": kind, "group": self.cfg.group_id, **fields}))
+        self._reporter.post(kind, fields)
 
     def _progress_path(self, incarnation: int, rank: int) -> str:
         return os.path.join(self._rundir, f"progress.{incarnation}.{rank}")
@@ -203,18 +218,22 @@ class Supervisor:
                 log.error("%s: the store host exited (code %s); stopping", self._name, self._store.popen.returncode)
                 return 1
             started = time.monotonic()
-            self._ranks = []
+            self._ranks, warm = [], []
             try:
                 for r in range(cfg.nproc):
-                    self._ranks.append(self._start_rank(self._spec, r, incarnation))
+                    proc = self._start_rank(self._spec, r, incarnation)
+                    self._ranks.append(proc)
+                    if proc.started < started:
+                        warm.append(r)
             except OSError as e:
                 log.error("%s: cannot start rank %d: %s", self._name, len(self._ranks), e)
                 return 1
-            self._store.guard([r.pid for r in self._ranks])
+            self._guard()
             if restart is not None:
                 failed_at = restart.pop("t")
-                self._event("restart", logging.WARNING, **restart, restart_s=round(started - failed_at, 3))
-            end = self._watch(incarnation)
+                self._event("restart", logging.WARNING, **restart, restart_s=round(started - failed_at, 3),
+                            warm_ranks=warm)
+            end = self._watch(incarnation, started)
             if end.kind == "signal":
                 self._stop_signal = end.signum
                 self._stop_ranks()
@@ -288,20 +307,60 @@ class Supervisor:
             return self._stopped()
         return {**facts, "backoff_s": round(decision.backoff_s, 3), "t": failed_at}
 
-    def _start_rank(self, spec: GroupSpec, rank: int, incarnation: int) -> RankProcess:
-        """A new process for ``rank``. Seam for warm standbys: a pool hands out a started
-        ``_rank`` bootstrap here instead, and starts its replacement in the background."""
+    def _argv(self, standby: bool) -> list[str]:
         cfg = self.cfg
-        argv = [sys.executable, "-m", "rallypoint.supervisor._rank", *(["-m"] if cfg.module else []),
+        head = ["--standby", *(["--preload", ",".join(cfg.preload)] if cfg.preload else [])] if standby else []
+        return [sys.executable, "-m", "rallypoint.supervisor._rank", *head, *(["-m"] if cfg.module else []),
                 cfg.target, *cfg.script_args]
+
+    def _start_rank(self, spec: GroupSpec, rank: int, incarnation: int) -> RankProcess:
+        """``rank`` of ``incarnation``: its warm standby if there is a live one, else a new
+        process."""
         env = rank_env(self._environ, spec, rank, incarnation, self._progress_path(incarnation, rank),
                        self._lifeline.read_fd)
-        return RankProcess(argv, env, rank, incarnation, log_prefix(cfg.group_id, rank), self._wake,
+        prefix = log_prefix(self.cfg.group_id, rank)
+        standby = self._pool.take(rank) if self._pool is not None else None
+        if standby is not None and standby.activate(env, incarnation, prefix):
+            return standby
+        return RankProcess(self._argv(False), env, rank, incarnation, prefix, self._wake,
                            self._lifeline, self._outputs, self._locks)
 
-    def _watch(self, incarnation: int) -> _End:
+    def _start_standby(self, rank: int, ready_path: str) -> RankProcess:
+        """A standby for ``rank``; its environment is the next incarnation's as far as it is
+        known now (the go brings the exact one)."""
+        assert self._spec is not None
+        env = rank_env(self._environ, self._spec, rank, (self._ranks[0].incarnation or 0) + 1 if self._ranks else 0,
+                       None, self._lifeline.read_fd)
+        env[READY_ENV] = ready_path
+        return RankProcess(self._argv(True), env, rank, None, log_prefix(self.cfg.group_id, f"r{rank} standby"),
+                           self._wake, self._lifeline, self._outputs, self._locks)
+
+    def _guard(self) -> None:
+        """Tell the store host which process groups to take down if we die."""
+        assert self._store is not None
+        self._store.guard([r.pid for r in self._ranks] + (self._pool.pids() if self._pool is not None else []))
+
+    def _other_event(self, ev: tuple[Any, ...]) -> None:
+        """An event every wait loop handles the same way: a standby's death."""
+        if ev[0] == "standby_exit" and self._pool is not None:
+            self._pool.died(ev[1], ev[2], time.monotonic())
+
+    def _fill_standbys(self, incarnation: int, started: float) -> float | None:
+        """Start the standbys if they are due; how long until the next look (None: no need)."""
+        pool = self._pool
+        if pool is None or not pool.missing():
+            return None
+        now = time.monotonic()
+        reported = all(os.path.exists(self._progress_path(incarnation, r)) for r in range(self.cfg.nproc))
+        if not standby_start_due(now, started, reported, self.cfg.standby_delay_s) or pool.due(now) > 0:
+            return max(pool.due(now), STANDBY_POLL_S) if reported else STANDBY_POLL_S
+        if pool.fill(now):
+            self._guard()
+        return STANDBY_POLL_S if pool.missing() else None
+
+    def _watch(self, incarnation: int, started: float) -> _End:
         """Until the incarnation ends: a rank exits, a stop is asked for, the store host
-        dies, or (the watchdog on) a rank is hung."""
+        dies, or (the watchdog on) a rank is hung. Starts the standbys when they are due."""
         codes: list[int | None] = [None] * self.cfg.nproc
         order: list[tuple[int, int]] = []
         watch = None
@@ -310,7 +369,10 @@ class Supervisor:
                                    self.cfg.hang_timeout_s, time.monotonic())
         while True:
             stop = 0
-            for ev in self._wake.wait(None if watch is None else watch.wait(time.monotonic())):
+            waits = [w for w in (self._fill_standbys(incarnation, started),
+                                 None if watch is None else watch.wait(time.monotonic())) if w is not None]
+            for ev in self._wake.wait(min(waits) if waits else None):
+                self._other_event(ev)
                 if ev[0] == "exit" and ev[1] == incarnation:
                     codes[ev[2]] = ev[3]
                     order.append((ev[2], ev[3]))
@@ -359,6 +421,7 @@ class Supervisor:
             if not pending or now >= deadline:
                 return
             for ev in self._wake.wait(min(deadline - now, DUMP_QUIET_S / 4)):
+                self._other_event(ev)
                 if ev[0] == "signal":
                     self._stop_signal = self._stop_signal or ev[1]
 
@@ -386,6 +449,7 @@ class Supervisor:
                 deadline, killed = time.monotonic() + KILL_WAIT_S, True
                 continue
             for ev in self._wake.wait(remaining):
+                self._other_event(ev)
                 if ev[0] == "signal":
                     if self._stop_signal:
                         deadline = 0.0  # asked twice: no more grace
@@ -395,14 +459,15 @@ class Supervisor:
     def _finish_ranks(self) -> None:
         for r in self._ranks:
             r.finish()
-        if self._store is not None:
-            self._store.guard([])  # their pids may be reused from now on
+        if self._store is not None:  # their pids may be reused from now on
+            self._store.guard(self._pool.pids() if self._pool is not None else [])
 
     def _sleep(self, seconds: float) -> bool:
         """Wait ``seconds``; True (and no wait left) when a stop signal arrives."""
         deadline = time.monotonic() + seconds
         while (remaining := deadline - time.monotonic()) > 0:
             for ev in self._wake.wait(remaining):
+                self._other_event(ev)
                 if ev[0] == "signal":
                     self._stop_signal = ev[1]
                     return True

@@ -1,4 +1,8 @@
-"""The receiving side's HTTP helpers and errors, apart from ``http.py`` (the transport)."""
+"""The receiving side's HTTP helpers and errors, apart from ``http.py`` (the transport).
+
+httpx is imported only by the helpers that need it at run time (a receive), never at
+import: constructing a ``Manager`` (which serves checkpoints but fetches none) must not pay
+for it (~25-90 ms cold)."""
 
 from __future__ import annotations
 
@@ -6,8 +10,10 @@ import contextlib
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
 
 class TransferError(RuntimeError):
@@ -48,6 +54,8 @@ def _check_status(r: httpx.Response, where: str) -> None:
     first 4 KiB of its body (an error body is never buffered whole)."""
     if r.status_code == 200:
         return
+    import httpx
+
     body = bytearray()
     with contextlib.suppress(httpx.HTTPError):
         for chunk in r.iter_raw():
@@ -60,6 +68,8 @@ def _check_status(r: httpx.Response, where: str) -> None:
 
 def _timeout(deadline: float) -> httpx.Timeout:
     """Per-call timeouts that never run past the overall deadline."""
+    import httpx
+
     left = max(0.001, deadline - time.monotonic())
     return httpx.Timeout(left, connect=min(left, 10.0))
 

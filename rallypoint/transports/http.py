@@ -16,13 +16,15 @@ receiver asks again: the sender may not have published yet), and a step that was
 and withdrawn gets 410 (it will not come back); a wrong or missing bearer token gets 401
 before anything else; a parameter that is not an integer gets 422.
 
-Receiver: httpx. It reads the header, allocates the destination tensors (wire.Sink: fresh
-ones, or the caller's own with ``into=``), splits the data into ``num_chunks`` or more
-ranges and fetches them over that many connections at once; each range is verified as it
-arrives and retried (up to ``retries`` times) when it fails. Any failure that survives the
-retries, and any deadline overrun, is a :class:`TransferError` and leaves the caller's
-state as :mod:`rallypoint.transports.wire` describes (untouched unless ``in_place=True``),
-so the caller can retry against another source.
+Receiver: httpx, imported at the first receive (not at import: a Manager constructs a
+transport to serve, and most never fetch; httpx costs a cold start tens of ms). It reads
+the header, allocates the destination tensors (wire.Sink: fresh ones, or the caller's own
+with ``into=``), splits the data into ``num_chunks`` or more ranges and fetches them over
+that many connections at once; each range is verified as it arrives and retried (up to
+``retries`` times) when it fails. Any failure that survives the retries, and any deadline
+overrun, is a :class:`TransferError` and leaves the caller's state as
+:mod:`rallypoint.transports.wire` describes (untouched unless ``in_place=True``), so the
+caller can retry against another source.
 
 Receive fast path: httpx parses a body 64 KiB at a time in Python and hands out ``bytes``
 (one more copy). The status and headers still go through httpx, then the body is read
@@ -51,9 +53,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from rallypoint._net.auth import bearer_matches, job_token
 from rallypoint._net.addr import is_loopback
@@ -72,6 +72,9 @@ from rallypoint.transports._http_util import (
     default_max_state_bytes,
 )
 from rallypoint.transports.base import CheckpointTransport
+
+if TYPE_CHECKING:
+    import httpx
 
 logger = logging.getLogger("rallypoint.transports.http")
 
@@ -291,6 +294,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         ``into``/``in_place``/``mesh`` as in :class:`rallypoint.transports.wire.Sink`.
         Raises :class:`TransferError` (or :class:`TransferTimeout`) naming the source.
         """
+        import httpx  # here, not at import (see the module docstring)
+
         base = metadata.rstrip("/")
         deadline = time.monotonic() + timeout.total_seconds()
         if len(base) > MAX_CHECKPOINT_METADATA_BYTES or not base.lower().startswith(("http://", "https://")):
@@ -383,6 +388,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         deadline: float,
         where: str,
     ) -> None:
+        import httpx
+
         stop = threading.Event()
 
         def fetch(rng: tuple[int, int]) -> None:
@@ -436,6 +443,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         deadline: float,
         stop: threading.Event,
     ) -> None:
+        import httpx
+
         start, end = rng
         url = f"{base}/checkpoint/{step}/data"
         with client.stream("GET", url, params={"start": start, "end": end}, timeout=_timeout(deadline)) as r:

@@ -1,0 +1,320 @@
+"""``rallypoint run``'s warm standbys: a process per rank that has imported torch,
+rallypoint and ``--preload`` ahead of a failure and becomes the rank at the restart.
+
+The rules (when standbys start, when a dead one is replaced, when to stop making them)
+are pure functions tested with tables; the bootstrap is tested on its own (go, end of
+input, a bad go); the rest runs ``python -m rallypoint run`` on real processes: a restart
+that takes the ready standbys (same pids, torch already imported, the new environment,
+the script's argv, stdin at /dev/null) and starts new ones, a standby that dies and is
+replaced, a ``--preload`` that fails (standbys given up, the ranks restart cold), SIGKILL
+and SIGTERM to the supervisor (no standby outlives it), and two Manager-trained groups
+where a killed rank's group comes back from its standbys and heals. Every wait has a
+deadline; every process is killed by pid at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Proc, wait_until
+from supervisor_util import (  # noqa: F401 - strays is a fixture
+    _env, at_step_2, both_groups_finish_alike, children_of, events, pid_alive, read_json, run_group, strays,
+    two_training_groups,
+)
+from rallypoint.supervisor.args import UsageError, add_run_parser, config_from_args
+from rallypoint.supervisor.envs import READY_ENV
+from rallypoint.supervisor.policy import STANDBY_DEATHS_MAX, standby_refill_delay, standby_start_due
+
+# ----------------------------------------------------------------------- the rules
+
+
+@pytest.mark.parametrize("now, started, reported, delay, due", [
+    (100.0, 99.0, True, 10.0, True),     # every rank committed: start them now
+    (100.0, 99.0, False, 10.0, False),   # still starting: wait, its imports need the CPU
+    (100.0, 90.0, False, 10.0, True),    # no reports (no Manager): after the delay
+    (100.0, 100.0, False, 0.0, True),    # --standby-delay 0: at once
+])  # fmt: skip
+def test_standby_start_due(now, started, reported, delay, due) -> None:
+    assert standby_start_due(now, started, reported, delay) is due
+
+
+@pytest.mark.parametrize("deaths, delay", [(0, 0.5), (1, 0.5), (2, 1.0), (STANDBY_DEATHS_MAX, None), (99, None)])
+def test_standby_refill_delay(deaths, delay) -> None:
+    assert standby_refill_delay(deaths) == delay
+
+
+def _parse(argv: list[str]):
+    import argparse
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    return add_run_parser(sub).parse_args(argv)
+
+
+def test_standby_flags(tmp_path: Path) -> None:
+    (tmp_path / "s.py").write_text("")
+    (tmp_path / "mymodel.py").write_text("")
+    cfg = config_from_args(_parse([str(tmp_path / "s.py")]))
+    assert (cfg.standby, cfg.preload, cfg.standby_delay_s) == (True, (), 10.0)
+    cfg = config_from_args(_parse(["--no-standby", "--preload", "json, mymodel,os.path", "--standby-delay", "0",
+                                   str(tmp_path / "s.py")]))
+    assert (cfg.standby, cfg.preload, cfg.standby_delay_s) == (False, ("json", "mymodel", "os.path"), 0.0)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--preload", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
+    (["--preload", "two words"], "'two words' is not a module name"),
+    (["--standby-delay", "-1"], "--standby-delay must not be negative"),
+])  # fmt: skip
+def test_standby_usage_errors(tmp_path: Path, flags, message) -> None:
+    (tmp_path / "s.py").write_text("")
+    with pytest.raises(UsageError, match=message):
+        config_from_args(_parse([*flags, str(tmp_path / "s.py")]))
+
+
+# ----------------------------------------------------------------------- the bootstrap
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    with open(os.path.join(os.environ["OUT"], "probe.json"), "w") as f:
+        json.dump({"warm": "torch" in sys.modules, "helper": "helper" in sys.modules, "argv": sys.argv,
+                   "main": __name__, "stdin": os.path.realpath("/proc/self/fd/0"),
+                   "start_only": os.environ.get("START_ONLY"), "go_only": os.environ.get("GO_ONLY"),
+                   "ready_env": os.environ.get("RALLYPOINT_STANDBY_READY"), "path0": sys.path[0]}, f)
+    """
+)
+
+
+def _bootstrap(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "helper.py").write_text("VALUE = 1\n")
+    env = {**os.environ, "OUT": str(tmp_path), "START_ONLY": "1", READY_ENV: str(tmp_path / "ready")}
+    return subprocess.Popen([sys.executable, "-m", "rallypoint.supervisor._rank", "--standby", *extra,
+                             str(tmp_path / "probe.py"), "a", "--b"], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/")
+
+
+@pytest.mark.slow
+def test_a_standby_becomes_the_rank_on_its_go(tmp_path: Path) -> None:
+    """Ready after its imports (the file), then on its go: the script runs as ``python
+    probe.py a --b`` would (``__main__``, its folder first on the path, its argv), with
+    torch and ``--preload helper`` (found beside the script) already imported, the go's
+    environment only, and stdin at /dev/null."""
+    p = _bootstrap(tmp_path, "--preload", "helper")
+    try:
+        wait_until(lambda: (tmp_path / "ready").exists() or p.poll() is not None, timeout=60, what="the ready file")
+        assert p.poll() is None, p.communicate(timeout=5)[1].decode()[-3000:]
+        go = {k: v for k, v in os.environ.items()} | {"OUT": str(tmp_path), "GO_ONLY": "2"}
+        out, err = p.communicate(json.dumps({"env": go}).encode(), timeout=60)
+        assert p.returncode == 0, err.decode()[-3000:]
+    finally:
+        p.kill()
+    probe = json.loads((tmp_path / "probe.json").read_text())
+    assert probe == {"warm": True, "helper": True, "argv": [str(tmp_path / "probe.py"), "a", "--b"],
+                     "main": "__main__", "stdin": "/dev/null", "start_only": None, "go_only": "2",
+                     "ready_env": None, "path0": str(tmp_path)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("go, code", [(b"", 0), (b"{not json", 1), (b'{"env": {"A": 1}}', 1)])
+def test_a_standby_without_a_valid_go_never_runs_the_script(tmp_path: Path, go: bytes, code: int) -> None:
+    """The end of input (not needed) exits 0 quietly; a malformed go exits non-zero; in
+    neither case does the script run."""
+    p = _bootstrap(tmp_path)
+    try:
+        _, err = p.communicate(go, timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == code, err.decode()[-2000:]
+    assert not (tmp_path / "probe.json").exists()
+
+
+# ----------------------------------------------------------------------- under rallypoint run
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    warm = "torch" in sys.modules
+    out, rank = sys.argv[1], os.environ["RANK"]
+    inc = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rec = {"rank": int(rank), "inc": inc, "pid": os.getpid(), "warm": warm, "helper": "helper" in sys.modules,
+           "argv": sys.argv[1:], "main": __name__, "stdin": os.path.realpath("/proc/self/fd/0"),
+           "ready_env": os.environ.get("RALLYPOINT_STANDBY_READY"), "port": os.environ["MASTER_PORT"],
+           "rundir": os.path.dirname(os.environ["RALLYPOINT_SUPERVISOR_PROGRESS"])}
+    with open(os.path.join(out, f"start.{inc}.{rank}"), "w") as f:
+        json.dump(rec, f)
+    print("started", json.dumps(rec), flush=True)
+    while True:  # exit 7 when the test says so, 0 at the end
+        if os.path.exists(os.path.join(out, f"crash.{inc}.{rank}")):
+            sys.exit(7)
+        if os.path.exists(os.path.join(out, "done")):
+            sys.exit(0)
+        time.sleep(0.02)
+    """
+)
+
+
+def _start(tmp_path: Path, procs, *flags: str, env: dict[str, str] | None = None) -> Proc:
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "helper.py").write_text("VALUE = 1\n")
+    return run_group(procs, "--nproc-per-node", "2", "--replica-group-id", "5", "--standby-delay", "0",
+                     "--grace-period", "2", *flags, str(tmp_path / "worker.py"), str(tmp_path), name="standbys",
+                     env=env)
+
+
+def _started(tmp_path: Path, inc: int, sup: Proc) -> list[dict]:
+    def both() -> list[dict] | None:
+        recs = [read_json(tmp_path / f"start.{inc}.{r}") for r in range(2)]
+        return recs if all(recs) and sup.popen.poll() is None else None
+
+    return wait_until(both, timeout=60, what=f"both ranks of incarnation {inc}")  # type: ignore[no-any-return]
+
+
+def _standbys(sup: Proc, ranks: list[int]) -> dict[int, str]:
+    """The supervisor's standby children: pid -> the ready file in its environment."""
+    out = {}
+    for pid in children_of(sup.pid):
+        if pid in ranks:
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for kv in env:
+            if kv.startswith(READY_ENV.encode() + b"="):
+                out[pid] = kv.split(b"=", 1)[1].decode()
+    return out
+
+
+def _ready_standbys(sup: Proc, ranks: list[int], n: int = 2, exclude: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
+    def ready() -> list[int] | None:
+        sb = {p: f for p, f in _standbys(sup, ranks).items() if p not in exclude}
+        return sorted(sb) if len(sb) == n and all(os.path.exists(f) for f in sb.values()) else None
+
+    return wait_until(ready, timeout=90, interval=0.05, what=f"{n} ready standbys")  # type: ignore[no-any-return]
+
+
+@pytest.mark.slow
+def test_a_restart_takes_the_ready_standbys_and_makes_new_ones(procs, tmp_path: Path, strays) -> None:
+    """Rank 1 exits 7: the group restarts from the two ready standbys (their pids become the
+    ranks of incarnation 1, with torch and ``--preload helper`` imported, the new
+    incarnation's environment, the same argv, stdin at /dev/null, no standby variables);
+    two new standbys follow; at the end every process is gone and the exit is 0."""
+    sup = _start(tmp_path, procs, "--preload", "helper")
+    first = _started(tmp_path, 0, sup)
+    assert [r["warm"] for r in first] == [False, False]  # the first start is cold
+    ranks0 = [r["pid"] for r in first]
+    standbys = _ready_standbys(sup, ranks0)
+    strays.extend([*ranks0, *standbys])
+    (tmp_path / "crash.0.1").write_text("")
+    second = _started(tmp_path, 1, sup)
+    assert sorted(r["pid"] for r in second) == standbys
+    for r in second:
+        assert (r["warm"], r["helper"], r["main"], r["stdin"], r["ready_env"]) == (True, True, "__main__", "/dev/null",
+                                                                                  None), r
+        assert r["argv"] == [str(tmp_path)] and r["port"] == first[0]["port"]
+    (restart,) = events(sup, "restart")
+    assert (restart["rank"], restart["cause"], restart["warm_ranks"]) == (1, "exit code 7", [0, 1]), restart
+    assert restart["backoff_s"] == 0.02 * 0 + restart["backoff_s"]  # noqa: PLR0124 - (logged; a no-progress restart)
+    new = _ready_standbys(sup, [r["pid"] for r in second], exclude=set(standbys))
+    strays.extend(new)
+    (tmp_path / "done").write_text("")
+    assert sup.wait(30) == 0, sup.stderr_text()[-4000:]
+    assert not [p for p in [*ranks0, *standbys, *new] if pid_alive(p)]
+    assert not Path(first[0]["rundir"]).exists()
+    out = sup.rest_of_stdout()
+    assert any(line.startswith("[g5 r1] started") for line in out), out
+
+
+@pytest.mark.slow
+def test_a_standby_that_dies_is_replaced(procs, tmp_path: Path, strays) -> None:
+    """SIGKILL to rank 0's ready standby: the supervisor says so and starts another, and
+    the next restart is still warm for both ranks."""
+    sup = _start(tmp_path, procs)
+    ranks0 = [r["pid"] for r in _started(tmp_path, 0, sup)]
+    standbys = _ready_standbys(sup, ranks0)
+    strays.extend([*ranks0, *standbys])
+    victim = standbys[0]
+    os.kill(victim, signal.SIGKILL)
+    replacement = _ready_standbys(sup, ranks0, n=1, exclude=set(standbys))
+    strays.extend(replacement)
+    err = sup.stderr_text()
+    assert f"(pid {victim}) exited (signal SIGKILL) after it was ready" in err, err[-3000:]
+    (tmp_path / "crash.0.0").write_text("")
+    second = _started(tmp_path, 1, sup)
+    assert sorted(r["pid"] for r in second) == sorted([standbys[1], *replacement])
+    assert events(sup, "restart")[0]["warm_ranks"] == [0, 1]
+    (tmp_path / "done").write_text("")
+    assert sup.wait(30) == 0, sup.stderr_text()[-4000:]
+
+
+@pytest.mark.slow
+def test_a_failing_preload_gives_up_on_standbys_and_restarts_cold(procs, tmp_path: Path, strays) -> None:
+    """``--preload broken`` (a module beside the script that raises): each standby dies
+    with a message naming it; after a few the supervisor stops making them, and a restart
+    starts both ranks cold, which works."""
+    (tmp_path / "broken.py").write_text("raise RuntimeError('broken on purpose')\n")
+    sup = _start(tmp_path, procs, "--preload", "broken")
+    ranks0 = [r["pid"] for r in _started(tmp_path, 0, sup)]
+    strays.extend(ranks0)
+    wait_until(lambda: "no more standbys" in sup.stderr_text(), timeout=120, interval=0.1,
+               what="the supervisor to give up on standbys")
+    err = sup.stderr_text()
+    assert "standby: cannot preload 'broken': RuntimeError: broken on purpose" in err, err[-3000:]
+    assert _standbys(sup, ranks0) == {}
+    (tmp_path / "crash.0.1").write_text("")
+    second = _started(tmp_path, 1, sup)
+    assert [r["warm"] for r in second] == [False, False]
+    assert events(sup, "restart")[0]["warm_ranks"] == []
+    (tmp_path / "done").write_text("")
+    assert sup.wait(30) == 0, sup.stderr_text()[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 143)])
+def test_no_standby_outlives_its_supervisor(procs, tmp_path: Path, strays, sig: int, code: int) -> None:
+    """SIGKILL (the kernel and the lifeline) or SIGTERM (a graceful stop) to the
+    supervisor: its ranks and its standbys, ready or still importing, are all gone."""
+    sup = _start(tmp_path, procs)
+    ranks0 = [r["pid"] for r in _started(tmp_path, 0, sup)]
+    standbys = list(wait_until(lambda: (lambda s: s if len(s) == 2 else None)(_standbys(sup, ranks0)), timeout=30,
+                               what="two standbys"))
+    strays.extend([*ranks0, *standbys])
+    sup.kill(sig)
+    assert sup.wait(30) == code, sup.stderr_text()[-3000:]
+    wait_until(lambda: not [p for p in [*ranks0, *standbys] if pid_alive(p)], timeout=15,
+               what="every rank and standby to die")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_comes_back_from_its_standbys_and_heals(procs, lighthouse, tmp_path: Path, strays) -> None:
+    """Two Manager-trained groups under ``rallypoint run``; once group 1's standbys are
+    ready (they start after its first commits), its rank 1 is SIGKILLed: both ranks of the
+    next incarnation are the standbys (torch imported), the group heals from group 0 and
+    both finish alike. Prints the kill -> first participating commit time."""
+    sups = two_training_groups(procs, lighthouse, tmp_path, steps=10_000)
+    pids = [at_step_2(tmp_path, r)["pid"] for r in range(2)]
+    standbys = _ready_standbys(sups[1], pids)
+    strays.extend([*pids, *standbys])
+    killed = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    first = wait_until(lambda: (lambda f: f if all(f) else None)(
+        [read_json(tmp_path / f"first1.g1.r{r}") for r in range(2)]), timeout=60, what="the restarted ranks' commits")
+    steps = max(read_json(tmp_path / f"state.g{g}.r{r}")["step"] for g in range(2) for r in range(2)) + 8
+    (tmp_path / "steps").write_text(str(steps))
+    final = both_groups_finish_alike(tmp_path, sups, steps=steps)
+    (restart,) = events(sups[1], "restart")
+    assert (restart["rank"], restart["signal"], restart["warm_ranks"], restart["progress"]) == (1, "SIGKILL", [0, 1],
+                                                                                              True), restart
+    assert {final[(1, r)]["pid"] for r in range(2)} == set(standbys)
+    print("warm restart:", json.dumps({"restart_s": restart["restart_s"],
+                                       "kill_to_first_commit_s": round(max(f["t"] for f in first) - killed, 3)}))
