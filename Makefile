@@ -27,7 +27,8 @@ test: typecheck
 typecheck: $(STAMP)
 	$(VPY) -m mypy
 
-# Three replica groups train with DDP; one is SIGKILLed mid-step, restarts, heals.
+# Three replica groups (one `rallypoint run` each) train with DDP; one rank is SIGKILLed
+# mid-step, its supervisor restarts the group, which heals from a live peer and rejoins.
 demo: $(STAMP)
 	$(VPY) examples/demo_training.py
 

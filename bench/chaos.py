@@ -51,9 +51,7 @@ import os
 import queue
 import random
 import sys
-import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -67,116 +65,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------- worker side
-def _out(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-def _worker(plan: dict[str, Any]) -> None:
-    import hashlib
-    import logging
-
-    _util.exit_with_parent()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    import torch
-    from torch import nn
-
-    torch.set_num_threads(1)
-    fw, gid = plan["framework"], plan["gid"]
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        os.environ.pop(k, None)
-    torch.manual_seed(gid)  # different initial weights: init_sync must make them agree
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def save() -> dict[str, Any]:
-        return {"model": model.state_dict(), "opt": opt.state_dict()}
-
-    def load(sd: dict[str, Any]) -> None:
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["opt"])
-
-    if plan.get("standby"):
-        import importlib
-
-        mods = (("rallypoint.manager.manager", "rallypoint.manager.server", "rallypoint.transports.http",
-                 "rallypoint.integrations.ddp", "rallypoint.process_groups") if fw == "ours"
-                else ("torchft", "torchft.manager", "torchft.ddp", "torchft.checkpointing"))
-        for mod in mods:
-            importlib.import_module(mod)  # what a fresh process spends its first seconds on
-        _out({"standby": True})
-        if not sys.stdin.readline().strip():  # "go" (EOF: the parent is done with us)
-            os._exit(0)
-    timeout = timedelta(seconds=plan["op_timeout_s"])
-    common = dict(
-        load_state_dict=load, state_dict=save, min_replica_size=1, use_async_quorum=True,
-        rank=0, world_size=1, lighthouse_addr=plan["lighthouse"], replica_id=f"g{gid}",
-        hostname="127.0.0.1", timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-    )
-    if fw == "ours":
-        import rallypoint
-
-        manager: Any = rallypoint.Manager(pg=rallypoint.ProcessGroupGloo(timeout=timeout), store_addr="127.0.0.1",
-                                          **common)
-        ddp = rallypoint.DistributedDataParallel(manager, model, bucket_cap_mb=0.1)
-    else:
-        from torch.distributed import TCPStore
-        from torchft import DistributedDataParallel as TFDDP
-        from torchft import Manager as TFManager
-        from torchft import ProcessGroupGloo as TFGloo
-
-        # torchft's Manager needs its replica group's TCPStore to exist already
-        tf_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        manager = TFManager(pg=TFGloo(timeout=timeout), store_addr="127.0.0.1", store_port=tf_store.port, **common)
-        ddp = TFDDP(manager, model, bucket_cap_mb=0.1)
-
-    stop_at: list[int | None] = [None]
-
-    def read_stdin() -> None:
-        for line in sys.stdin:
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "stop_at" in msg:
-                stop_at[0] = int(msg["stop_at"])
-        os._exit(0)  # EOF: the parent is done with us
-
-    threading.Thread(target=read_stdin, name="stdin", daemon=True).start()
-    _out({"ready": True})
-    compute_s = plan["compute_ms"] / 1000.0
-    loss_fn = nn.MSELoss()
-    while True:
-        s = stop_at[0]
-        if s is not None and manager.current_step() >= s:
-            break
-        t_step = time.time()
-        manager.start_quorum()
-        time.sleep(compute_s)  # the simulated compute of a step (the async quorum overlaps it)
-        step = manager.current_step()
-        gen = torch.Generator().manual_seed(step * 1000 + gid)
-        x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 10, generator=gen)
-        opt.zero_grad()
-        try:
-            loss_fn(ddp(x), y).backward()
-        except Exception as e:  # noqa: BLE001 - the measured breakage: a user's loop dies here
-            logging.exception("forward/backward raised at step %d", step)
-            _out({"error": repr(e)[:300], "step": step})
-            os._exit(5)
-        participating = bool(manager.is_participating())
-        committed = bool(manager.should_commit())
-        if committed:
-            opt.step()
-        _out({"s": step, "c": int(committed), "p": int(participating), "n": int(manager.num_participants()),
-              "t0": t_step})
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(repr(p.detach().flatten().tolist()).encode())
-    _out({"done": manager.current_step(), "hash": h.hexdigest()})
-    # Wait for EOF from the parent (the stdin thread exits the process), so a peer
-    # still finishing its last step is never left without us mid-collective.
-    threading.Event().wait(plan["op_timeout_s"])  # bounded: the parent closes stdin long before
-    os._exit(0)
+# The worker (chaos_worker.py) is shared with chaos_run.py, which runs it under `rallypoint run`.
+from chaos_worker import worker as _worker  # noqa: E402
 
 
 # ---------------------------------------------------------------------- parent side
@@ -233,6 +123,7 @@ class _Run:
         self.records: list[tuple[float, int, int, dict[str, Any]]] = []  # (t, gid, proc_no, step record)
         self.events: list[dict[str, Any]] = []  # kills/crashes and restarts
         self.done: dict[int, dict[str, Any]] = {}
+        self.timings: dict[int, dict[str, Any]] = {}  # proc_no -> the worker's "timing" marks
         self.errors: list[str] = []
         self.crashes = 0
         self.pending_restart: dict[int, float] = {}  # gid -> time to restart
@@ -301,6 +192,8 @@ class _Run:
                 self.events.append({"type": "ready", "gid": gid, "t": t, "no": no})
             elif "done" in obj:
                 self.done[gid] = obj
+            elif "timing" in obj:
+                self.timings[no] = obj["timing"]
             elif "error" in obj:
                 self.errors.append(f"g{gid}#{no}: {obj['error']}")
 
@@ -391,16 +284,22 @@ def run_one(fw: str, g: int, plan: dict[str, Any], rng: random.Random) -> dict[s
                 firsts.append(min(ts) if ts else None)
             stall = None if any(f is None for f in firsts) else max(firsts) - e["t"]
             rs = [x for x in run.events if x["type"] == "restart" and x["gid"] == e["gid"] and x["t"] >= e["t"]]
-            rc_s = ready_s = None
+            rc_s = ready_s = kc_s = None
+            timing = None
             if rs:
                 r0 = rs[0]
                 rd = [x["t"] for x in run.events if x["type"] == "ready" and x["no"] == r0["no"]]
                 ready_s = (rd[0] - r0["t"]) if rd else None
                 ts = [t for t, rg, no, r in run.records if no == r0["no"] and r["c"] and r["p"]]
                 rc_s = (min(ts) - r0["t"]) if ts and min(ts) < t_end else None
+                # kill -> first participating commit, by the worker's own clock (t1: after should_commit)
+                t1s = [r.get("t1", t) for t, rg, no, r in run.records if no == r0["no"] and r["c"] and r["p"]]
+                kc_s = (min(t1s) - e["t"]) if t1s and min(t1s) < t_end else None
+                timing = run.timings.get(r0["no"])
             per_kill.append({"type": e["type"], "gid": e["gid"], "at_s": round(e["t"] - t0, 2),
                              "survivor_stall_s": stall, "restart_to_commit_s": rc_s,
-                             "restart_to_manager_ready_s": ready_s})
+                             "restart_to_manager_ready_s": ready_s, "kill_to_commit_s": kc_s,
+                             "t_kill": e["t"], "t_restart": rs[0]["t"] if rs else None, "timing": timing})
         res["kills"] = per_kill
         res["crashes"] = run.crashes
         stalls = [k["survivor_stall_s"] for k in per_kill if k["survivor_stall_s"] is not None]
@@ -408,6 +307,8 @@ def run_one(fw: str, g: int, plan: dict[str, Any], rng: random.Random) -> dict[s
         res["median_stall_s"] = median(stalls) if stalls else None
         res["stalled"] = sum(1 for k in per_kill if k["survivor_stall_s"] is None)
         res["median_restart_to_commit_s"] = median(rcs) if rcs else None
+        kcs = [k["kill_to_commit_s"] for k in per_kill if k["kill_to_commit_s"] is not None]
+        res["median_kill_to_commit_s"] = median(kcs) if kcs else None
         res["restarts_without_commit"] = sum(1 for k in per_kill if k["restart_to_commit_s"] is None)
 
         # stop at a common step: wait for the last restarted group to take part first

@@ -136,7 +136,9 @@ def add_common_args(ap: argparse.ArgumentParser, *, unit: str = "step", samples:
 
     ``unit`` is what one progress line and one commit stand for ("step", or "sync" for
     DiLoCo); ``samples`` is the default size of the synthetic dataset."""
-    ap.add_argument("--progress", default=None, help=f"append one JSON line per {unit} to this file")
+    ap.add_argument("--progress", default=None, help=f"append one JSON line per {unit} to this file; {{rank}}, "
+                    "{group} and {restart} in its name are this rank's RANK, REPLICA_GROUP_ID and "
+                    "TORCHELASTIC_RESTART_COUNT (one file per rank and restart under rallypoint run)")
     ap.add_argument("--max-seconds", type=float, default=0.0, help="give up after this long (0: never); rc 3")
     ap.add_argument("--min-replicas", type=int, default=1, help=f"fewest replica groups a {unit} may commit with (1)")
     ap.add_argument("--timeout", type=float, default=10.0, help="collective / transfer timeout, seconds (10)")
@@ -220,12 +222,29 @@ def average_in_group(model: nn.Module) -> None:
 # --- progress, stopping ---------------------------------------------------------------
 
 
+PLACEHOLDERS = {"{rank}": ("RANK", "0"), "{group}": ("REPLICA_GROUP_ID", "0"),
+                "{restart}": ("TORCHELASTIC_RESTART_COUNT", "0")}
+
+
+def expand_placeholders(path: str, environ: Any = None) -> str:
+    """``path`` with ``{rank}`` (``RANK``), ``{group}`` (``REPLICA_GROUP_ID``) and
+    ``{restart}`` (``TORCHELASTIC_RESTART_COUNT``: the incarnation under ``rallypoint run``
+    or torchrun) replaced from the environment, each ``0`` when unset: every rank of a
+    launcher gets the same command line, so this is how each rank and each restart gets a
+    file of its own. Other text, braces included, is kept as it is."""
+    env = os.environ if environ is None else environ
+    for key, (var, default) in PLACEHOLDERS.items():
+        path = path.replace(key, env.get(var) or default)
+    return path
+
+
 class Progress:
     """One JSON line per event, appended and flushed (a test or demo tails the file).
-    Without a path it writes nothing."""
+    Without a path it writes nothing; ``{rank}``, ``{group}`` and ``{restart}`` in the path
+    are filled in from the environment (:func:`expand_placeholders`)."""
 
     def __init__(self, path: str | None, **fixed: Any) -> None:
-        self._f = open(path, "a", buffering=1) if path else None
+        self._f = open(expand_placeholders(path), "a", buffering=1) if path else None
         self._fixed = fixed
 
     def write(self, **rec: Any) -> None:

@@ -80,6 +80,40 @@ def test_standby_usage_errors(tmp_path: Path, flags, message) -> None:
         config_from_args(_parse([*flags, str(tmp_path / "s.py")]))
 
 
+# ----------------------------------------------------------------------- the store's spare
+
+
+def test_next_switches_to_an_empty_spare_store_at_once(tmp_path: Path) -> None:
+    """``next`` answers with the spare's port (another one), whose store is empty, at once;
+    the old store is recycled in the background into the next spare, empty and normally on
+    its old port, so the group's store alternates between two ports."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from rallypoint.supervisor._procs import StoreHost
+
+    err = open(tmp_path / "err", "wb")
+    host = StoreHost("127.0.0.1", 0, "[store] ", err, threading.Lock(), on_exit=lambda rc: None, rundir=str(tmp_path))
+    try:
+        a = host.port(60)
+        host.spare()
+        TCPStore("127.0.0.1", a, is_master=False, timeout=timedelta(seconds=5)).set("stale", "1")
+        ports = [a]
+        for _ in range(3):
+            ports.append(host.next(60))
+            client = TCPStore("127.0.0.1", ports[-1], is_master=False, timeout=timedelta(seconds=5))
+            assert not client.check(["stale"])  # a fresh store
+            client.set("stale", "1")
+        # Never the store just left; normally two ports in turn (a released port another
+        # process took meanwhile is replaced by a new one, so this does not assert two).
+        assert all(p != q for p, q in zip(ports, ports[1:])), ports
+    finally:
+        host.close()
+        err.close()
+
+
 # ----------------------------------------------------------------------- the bootstrap
 
 PROBE = textwrap.dedent(
@@ -221,7 +255,7 @@ def test_a_restart_takes_the_ready_standbys_and_makes_new_ones(procs, tmp_path: 
     for r in second:
         assert (r["warm"], r["helper"], r["main"], r["stdin"], r["ready_env"]) == (True, True, "__main__", "/dev/null",
                                                                                   None), r
-        assert r["argv"] == [str(tmp_path)] and r["port"] == first[0]["port"]
+        assert r["argv"] == [str(tmp_path)] and r["port"] != first[0]["port"]  # the spare store
     (restart,) = events(sup, "restart")
     assert (restart["rank"], restart["cause"], restart["warm_ranks"]) == (1, "exit code 7", [0, 1]), restart
     assert restart["backoff_s"] == 0.02 * 0 + restart["backoff_s"]  # noqa: PLR0124 - (logged; a no-progress restart)
@@ -318,3 +352,30 @@ def test_a_killed_rank_comes_back_from_its_standbys_and_heals(procs, lighthouse,
     assert {final[(1, r)]["pid"] for r in range(2)} == set(standbys)
     print("warm restart:", json.dumps({"restart_s": restart["restart_s"],
                                        "kill_to_first_commit_s": round(max(f["t"] for f in first) - killed, 3)}))
+
+
+@pytest.mark.slow
+def test_a_hung_rank_comes_back_from_its_standbys(procs, lighthouse, tmp_path: Path, strays) -> None:
+    """Group 1 runs with ``--hang-timeout 3``; once its standbys are ready, rank 1 sleeps
+    forever in its training loop. The watchdog dumps the stacks and restarts the group from
+    its ready standbys, which heal and train on; both groups finish alike. Prints the hang
+    -> first participating commit time (the goal: within the timeout + 1 s)."""
+    timeout = 3.0
+    sups = two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(timeout)), steps=10_000)
+    pids = [at_step_2(tmp_path, r)["pid"] for r in range(2)]
+    standbys = _ready_standbys(sups[1], pids)
+    strays.extend([*pids, *standbys])
+    (tmp_path / "hang.g1.r1").write_text("")
+    hanging = wait_until(lambda: read_json(tmp_path / "hanging.g1.r1"), timeout=30, what="rank 1 to hang")
+    first = wait_until(lambda: (lambda f: f if all(f) else None)(
+        [read_json(tmp_path / f"first1.g1.r{r}") for r in range(2)]), timeout=60, what="the restarted ranks' commits")
+    steps = max(read_json(tmp_path / f"state.g{g}.r{r}")["step"] for g in range(2) for r in range(2)) + 8
+    (tmp_path / "steps").write_text(str(steps))
+    final = both_groups_finish_alike(tmp_path, sups, steps=steps)
+    (restart,) = events(sups[1], "restart")
+    assert (restart["cause"], restart["warm_ranks"]) == ("hang", [0, 1]), restart
+    assert {final[(1, r)]["pid"] for r in range(2)} == set(standbys)
+    print("warm hang restart:", json.dumps({"hang_timeout_s": timeout, "silent_s": restart["silent_s"],
+                                            "restart_s": restart["restart_s"],
+                                            "hang_to_first_commit_s": round(max(f["t"] for f in first)
+                                                                            - hanging["t"], 3)}))

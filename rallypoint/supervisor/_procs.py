@@ -1,16 +1,18 @@
 """Process plumbing of ``rallypoint run`` (a thin shell; no decisions here): the event
-queue the main loop sleeps on, the lifeline, ``PR_SET_PDEATHSIG``, per-rank output
-pumps with prefixes, a rank process, and the store host's client.
+queue the main loop sleeps on, the lifeline, per-rank output pumps with prefixes, a rank
+process, and the store host's client.
 
-Every child is started from the main thread: ``PR_SET_PDEATHSIG`` fires when the
-*thread* that forked the child ends, so a child forked from a short-lived thread would be
-killed with it.
+Every child is started from the main thread: the ``PR_SET_PDEATHSIG`` a rank sets on
+itself (``_rank.py``) fires when the *thread* that forked it ends, so a child forked from
+a short-lived thread would be killed with it. No child is started with a ``preexec_fn``:
+with one, ``subprocess`` runs the Python-level fork handlers in the child, and grpc's
+(registered once the event reporter has imported grpc) can abort the child before its
+exec; without one it forks (or vforks) and execs in C.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import os
 import queue
@@ -22,28 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _libc_prctl() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _libc_prctl()  # resolved here, not in the forked child
-
-
-def die_with_parent() -> None:
-    """``preexec_fn``: the kernel SIGKILLs the child when the supervisor dies (Linux).
-    Only a call through a pre-resolved ctypes function: nothing that takes locks."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
 
 class Wakeup:
     """Events from threads and signal handlers for the main loop: a deque (appending is
@@ -155,7 +135,7 @@ class RankProcess:
         self.popen = subprocess.Popen(
             argv, env=env, stdin=subprocess.PIPE if self.standby else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(lifeline.read_fd,), start_new_session=True, preexec_fn=die_with_parent,
+            pass_fds=(lifeline.read_fd,), start_new_session=True,  # no preexec_fn: see the module docstring
         )
         self.pid = self.popen.pid
         self.started = time.monotonic()
@@ -312,6 +292,16 @@ class StoreHost:
         self._send("reset")
         return self.port(timeout)
 
+    def spare(self) -> None:
+        """Keep a spare store on a second port from now on (see ``next``)."""
+        self._send("spare")
+
+    def next(self, timeout: float) -> int:
+        """A fresh, empty store at once (the spare; the old one is recycled in the
+        background); its port, which alternates between two."""
+        self._send("next")
+        return self.port(timeout)
+
     def guard(self, pgids: list[int]) -> None:
         """The process groups it SIGKILLs if we die (the running ranks'; [] when none)."""
         try:
@@ -334,4 +324,4 @@ class StoreHost:
         self._pump.join(timeout)
 
 
-__all__ = ["Lifeline", "Pump", "RankProcess", "StoreHost", "Wakeup", "die_with_parent"]
+__all__ = ["Lifeline", "Pump", "RankProcess", "StoreHost", "Wakeup"]

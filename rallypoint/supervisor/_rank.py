@@ -8,9 +8,9 @@ as ``python script.py`` / ``python -m module`` would: ``__name__ == "__main__"``
 The tie: the supervisor holds the write end of a pipe (its *lifeline*) and passes the read
 end here (``RALLYPOINT_SUPERVISOR_FD``). Nobody writes to it; when the supervisor dies, even
 by SIGKILL, the kernel closes its end, the read here returns, and this rank kills itself
-and its process group (its data loader workers, its own helpers). This backs up the
-``PR_SET_PDEATHSIG`` the supervisor sets before exec, which misses a supervisor that died
-between fork and prctl.
+and its process group (its data loader workers, its own helpers). With the
+``PR_SET_PDEATHSIG`` this rank sets first thing, it covers a supervisor that died between
+the fork and that call.
 
 Stack dumps: ``SIGUSR1`` makes this rank write every thread's Python stack to its stderr
 (``faulthandler``), which the supervisor sends a hung rank before restarting its group. The
@@ -48,10 +48,13 @@ import threading
 
 LIFELINE_ENV = "RALLYPOINT_SUPERVISOR_FD"  # rallypoint.supervisor.envs.LIFELINE_ENV
 READY_ENV = "RALLYPOINT_STANDBY_READY"  # rallypoint.supervisor.envs.READY_ENV
-# What every standby imports before the user's --preload modules: torch and the pieces of
-# rallypoint a training script builds first (the Manager, its process groups, DDP).
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "rallypoint.manager.manager", "rallypoint.process_groups",
-                   "rallypoint.integrations.ddp")
+# What every standby imports before the user's --preload modules: torch, what a script's
+# first optimizer pulls in (torch._dynamo: 0.5 s on an idle host, seconds on a busy one),
+# and the pieces of rallypoint a training script builds first (the Manager, its server,
+# process groups, DDP) or its first heal uses (the HTTP transport, httpx).
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch._dynamo", "rallypoint.manager.manager",
+                   "rallypoint.manager.server", "rallypoint.process_groups", "rallypoint.integrations.ddp",
+                   "rallypoint.transports.http", "httpx")
 MAX_GO_BYTES = 16 * 1024 * 1024  # the go message is an environment: far below this
 PRELOAD_FAILED_EXIT = 3
 
@@ -70,6 +73,23 @@ def _die_with_supervisor(fd: int) -> None:
         except OSError:
             pass
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> bool:
+    """Ask the kernel to SIGKILL this rank when the supervisor (its parent) dies (Linux;
+    elsewhere only the lifeline). A supervisor that died before this call is caught by
+    the lifeline, whose read then returns at once. True if set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def watch_lifeline(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
@@ -151,7 +171,12 @@ def _preload(modules: list[str]) -> None:
     """Import what the script will need, so its own imports find them in ``sys.modules``.
     A module that cannot be imported ends the standby with a message (the supervisor stops
     making standbys after a few such deaths, and the ranks start cold)."""
-    for name in [*DEFAULT_PRELOAD, *modules]:
+    for name in DEFAULT_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a speed-up only: the script imports what it needs itself
+            pass
+    for name in modules:
         try:
             importlib.import_module(name)
         except BaseException as e:  # noqa: BLE001 - whatever a user's module raises
@@ -231,6 +256,8 @@ def _standby(preload: list[str]) -> bool:
 
 
 def main(argv: list[str]) -> None:
+    if os.environ.get(LIFELINE_ENV):  # started by rallypoint run (not by hand)
+        die_with_parent()
     watch_lifeline()
     dump_stacks_on_sigusr1()
     standby, preload = False, []

@@ -13,6 +13,13 @@ One line each way:
   address normally stays fixed; a port released is a port another process may take in
   between, so when that happened it opens on a port the OS picks and reports that one
   (the supervisor gives it to the next incarnation's ranks);
+- ``next`` on stdin: the same, without the wait. Closing a TCPStore server takes 0.2 s to
+  a second on a busy host (its thread is joined), which a restart should not wait for; so a
+  spare, empty store is kept open on a second port, ``next`` switches to it at once and
+  prints its port, and the old one is closed and reopened (empty, on its own port again
+  when it is still free) in the background as the next spare. The group's store thus
+  alternates between two ports. The supervisor uses ``next`` unless the user fixed the
+  port (``--master-port``), and ``reset`` then;
 - ``guard PGID...`` on stdin: the process groups of the running ranks (no answer);
   ``guard`` alone: none;
 - end of stdin (the supervisor finished, or died, even by SIGKILL: the kernel closes its
@@ -30,6 +37,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -51,6 +59,42 @@ def reopen(open_store: Callable[[int], Any], port: int) -> tuple[Any, int]:
         return store, int(store.port)
 
 
+SPARE_WAIT_S = 60.0  # the longest a ``next`` waits for the spare still being made
+
+
+class _Spare:
+    """The next store, made in a thread: from nothing at the start, then by closing the
+    store the group just left and reopening it (empty) on its port."""
+
+    def __init__(self, open_store: Callable[[int], Any]) -> None:
+        self._open = open_store
+        self.store: Any = None
+        self._thread: threading.Thread | None = None
+
+    def make(self, old: list[Any], port: int) -> None:
+        """Close ``old[0]`` (the list holds the last reference) and open a spare on ``port``."""
+        def run() -> None:
+            old.clear()
+            gc.collect()  # the server closes its socket when the last reference goes
+            try:
+                self.store, _ = reopen(self._open, port)
+            except Exception as e:  # noqa: BLE001 - `next` falls back to a reset
+                sys.stderr.write(f"cannot open a spare store: {e}\n")
+                self.store = None
+
+        self._thread = threading.Thread(target=run, name="spare store", daemon=True)
+        self._thread.start()
+
+    def take(self) -> Any:
+        """The spare (None if it could not be made), waiting for it if need be."""
+        if self._thread is not None:
+            self._thread.join(SPARE_WAIT_S)
+            if self._thread.is_alive():
+                return None
+        store, self.store = self.store, None
+        return store
+
+
 def main(argv: list[str]) -> int:
     host, port = argv[0], int(argv[1])
     from torch.distributed import TCPStore
@@ -65,6 +109,8 @@ def main(argv: list[str]) -> int:
         return 1
     port = int(store.port)
     _say(port=port)
+    spare = _Spare(open_store)
+    spare_made = False
     guarded: list[int] = []
     while True:
         line = sys.stdin.readline()
@@ -77,9 +123,19 @@ def main(argv: list[str]) -> int:
             if len(argv) > 2:
                 shutil.rmtree(argv[2], ignore_errors=True)
             return 0
-        if line.startswith("guard"):
-            guarded = [int(p) for p in line.split()[1:]]
-        elif line.strip() == "reset":
+        cmd = line.strip()
+        if cmd.startswith("guard"):
+            guarded = [int(p) for p in cmd.split()[1:]]
+        elif cmd == "spare" and not spare_made:
+            spare.make([], 0)  # the first spare, on a port the OS picks
+            spare_made = True
+        elif cmd == "next" and spare_made and (new := spare.take()) is not None:
+            old, port = [store], int(new.port)
+            store = new
+            _say(port=port)
+            spare.make(old, int(old[0].port))
+            del old
+        elif cmd in ("reset", "next"):
             del store
             gc.collect()  # the server closes its socket when the last reference goes
             try:

@@ -38,7 +38,8 @@ committed a step (or ``--standby-delay`` after its start), one standby per rank 
 hands each rank's standby its environment instead of starting a process, and the next
 standbys start once the new incarnation has committed. A standby that dies while waiting
 is replaced (``policy.standby_refill_delay``); the restart line says which ranks started
-warm (``warm_ranks``).
+warm (``warm_ranks``: from a ready standby; ``importing_ranks``: from a standby still
+importing, which finishes its imports at normal priority).
 """
 
 from __future__ import annotations
@@ -209,6 +210,8 @@ class Supervisor:
         except (OSError, RuntimeError, ValueError) as e:
             log.error("%s: cannot host the group's store: %s", self._name, e)
             return 1
+        if cfg.master_port == 0:
+            self._store.spare()
         self._spec = GroupSpec(cfg.nproc, cfg.master_addr, port, cfg.group_id, cfg.lighthouse, cfg.policy.max_restarts)
         log.info("%s: %d rank(s) of %s, store %s:%d, lighthouse %s", self._name, cfg.nproc, cfg.target,
                  cfg.master_addr, port, cfg.lighthouse or "from the environment")
@@ -218,13 +221,16 @@ class Supervisor:
                 log.error("%s: the store host exited (code %s); stopping", self._name, self._store.popen.returncode)
                 return 1
             started = time.monotonic()
-            self._ranks, warm = [], []
+            self._ranks = []
+            warm: list[int] = []
+            importing: list[int] = []
             try:
                 for r in range(cfg.nproc):
+                    ready = self._pool is not None and self._pool.ready(r)
                     proc = self._start_rank(self._spec, r, incarnation)
                     self._ranks.append(proc)
                     if proc.started < started:
-                        warm.append(r)
+                        (warm if ready else importing).append(r)
             except OSError as e:
                 log.error("%s: cannot start rank %d: %s", self._name, len(self._ranks), e)
                 return 1
@@ -232,7 +238,7 @@ class Supervisor:
             if restart is not None:
                 failed_at = restart.pop("t")
                 self._event("restart", logging.WARNING, **restart, restart_s=round(started - failed_at, 3),
-                            warm_ranks=warm)
+                            warm_ranks=warm, importing_ranks=importing)
             end = self._watch(incarnation, started)
             if end.kind == "signal":
                 self._stop_signal = end.signum
@@ -292,15 +298,16 @@ class Supervisor:
                       self._name, decision.reason, end.rank, cause, uptime)
             return GAVE_UP_EXIT
         assert self._store is not None
-        try:
-            port = self._store.reset(STORE_READY_S)  # fresh keys; the same port unless it was taken
+        try:  # fresh keys: the spare store on the other port, or (--master-port) the same port reopened
+            port = self._store.next(STORE_READY_S) if self.cfg.master_port == 0 else self._store.reset(STORE_READY_S)
         except (RuntimeError, ValueError) as e:
             log.error("%s: cannot reset the group's store: %s", self._name, e)
             return 1
         assert self._spec is not None
         if port != self._spec.master_port:
-            log.warning("%s: the group's store moved to port %d (port %d was taken)", self._name, port,
-                        self._spec.master_port)
+            if self.cfg.master_port:
+                log.warning("%s: the group's store moved to port %d (port %d was taken)", self._name, port,
+                            self._spec.master_port)
             self._spec = dataclasses.replace(self._spec, master_port=port)
         log.info("%s: restarting in %.2fs (%s)", self._name, decision.backoff_s, decision.reason)
         if self._sleep(decision.backoff_s):

@@ -354,7 +354,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                     raise
                 logger.debug("%s: not published yet (HTTP %d); asking again", where, exc.status)
             time.sleep(pause)  # the source is remote: there is no event to wait on
-            pause = min(pause * 2, 0.1)
+            pause = min(pause * 2, 0.02)  # a restarted replica waits on this: keep the lag small
 
     def _get_header(self, client: httpx.Client, url: str, deadline: float, where: str) -> bytes:
         """The header bytes, refusing to buffer more than the header size limit."""
