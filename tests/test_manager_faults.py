@@ -284,3 +284,60 @@ def test_groups_of_different_sizes_are_refused_clearly(lighthouse) -> None:
     for key, got in outcome.items():
         assert isinstance(got, ValueError), (key, got)
         assert "different sizes" in str(got) and "has 1 rank" in str(got) and "has 2 rank" in str(got), got
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+
+def _failfast(grace: float):
+    """A FailFast with the state the Manager gives it: quorum 7 formed with peer "b", one
+    collective in flight, a process group that records aborts."""
+    import logging
+    import threading
+
+    from rallypoint.manager._failfast import FailFast
+
+    class PG:
+        aborted = threading.Event()
+
+        def abort(self) -> None:
+            self.aborted.set()
+
+    ff = FailFast()
+    ff.goodbye_grace_s = grace
+    ff.__dict__.update(
+        _err_lock=threading.Lock(), _errored=None, _aborted_quorum=None, _quorum_id=7, _step=3, _pg=PG(),
+        _log=logging.LoggerAdapter(logging.getLogger("test"), {}), _group_rank=1, _relay=None, _replica_id="a",
+        _quorum_future=None, _last_quorum=type("Q", (), {"replica_ids": ["a", "b"]})(), _quorum_round=1, _round=1,
+        _works=[_Work()], _works_lock=threading.Lock(), _lost_peer=None, _heal_busy=False,
+    )
+    return ff
+
+
+def test_a_peer_that_crashes_mid_collective_aborts_at_once() -> None:
+    ff = _failfast(grace=30.0)
+    ff._on_peer_down("b", "stream_broken: connection lost")
+    assert ff._pg.aborted.is_set() and "went down" in str(ff.errored())
+
+
+def test_a_goodbye_mid_collective_lets_the_collective_finish() -> None:
+    """A peer ending its job a moment before us: our collective, whose data it has sent,
+    finishes within the grace and the step is not failed."""
+    ff = _failfast(grace=0.3)
+    ff._on_peer_down("b", "goodbye: shutdown")
+    ff._works[0].done = True
+    assert not ff._pg.aborted.wait(1.0) and ff.errored() is None
+
+
+def test_a_goodbye_mid_collective_aborts_after_the_grace_if_it_does_not_finish() -> None:
+    """A peer that left mid-step (shutdown from an exception handler): the collective that
+    still waits for it is aborted after the grace, not after the full timeout."""
+    ff = _failfast(grace=0.2)
+    ff._on_peer_down("b", "goodbye: shutdown")
+    assert not ff._pg.aborted.is_set()
+    assert ff._pg.aborted.wait(10.0) and "went down" in str(ff.errored())

@@ -9,7 +9,10 @@ block on the dead peer -- this round's configure or heal (on the quorum thread o
 training thread), or a collective in flight --
 so a peer that leaves after our collectives finished (a replica ending its job) does not
 fail a step whose data is complete; a collective issued later in that round fails at
-once instead of hanging.
+once instead of hanging. A peer that says goodbye while our collectives are still in
+flight gets ``goodbye_grace_s`` before the abort: a goodbye comes between the peer's
+steps, so it has done its part and ours normally finish within milliseconds (aborting at
+once failed the last step of a replica a moment slower than its peers at the end of a job).
 
 A mixin: :class:`rallypoint.manager.manager.Manager` owns the state it reads.
 """
@@ -25,8 +28,13 @@ from rallypoint.manager.recovery import QuorumResult
 from rallypoint.process_groups.protocols import ReconfigurableProcessGroup
 
 
+GOODBYE_PREFIX = "goodbye:"  # the lighthouse's reason for a peer that left cleanly ("goodbye: <why>")
+
+
 class FailFast:
     """Error recording and aborts of :class:`Manager` (see the module docstring)."""
+
+    goodbye_grace_s = 2.0  # how long collectives in flight get to finish after a peer's clean goodbye
 
     _err_lock: threading.Lock
     _errored: Exception | None
@@ -77,8 +85,20 @@ class FailFast:
         err = ConnectionError(f"peer replica {replica_id} went down ({reason})")
         with self._works_lock:  # see the module docstring for what counts as busy
             self._lost_peer = (self._round, err)
-            busy = (fut is not None and not fut.done()) or self._heal_busy or any(not w.finished() for w in self._works)
-        if busy:
+            setup_busy = (fut is not None and not fut.done()) or self._heal_busy
+            works_busy = any(not w.finished() for w in self._works)
+        if works_busy and not setup_busy and reason.startswith(GOODBYE_PREFIX):
+            # A clean goodbye comes between a peer's steps: it finished the collectives it
+            # started, so its share of ours is sent and they are about to finish (a replica
+            # ending its job a moment before a slower one). Abort only if they do not.
+            rnd = self._round
+            timer = threading.Timer(self.goodbye_grace_s, self._abort_if_busy, args=(rnd, err))
+            timer.daemon = True
+            timer.start()
+            self._log.info("%s during this step's collectives; aborting if they have not finished in %gs",
+                           err, self.goodbye_grace_s)
+            return
+        if setup_busy or works_busy:
             self._abort(err)
         else:
             self._log.info("%s after this step's collectives finished; a later collective of quorum %d fails fast",
@@ -100,9 +120,17 @@ class FailFast:
         except Exception as ae:  # noqa: BLE001
             self._log.warning("process group abort failed: %s", ae)
 
+    def _abort_if_busy(self, rnd: int, err: Exception) -> None:
+        """After a goodbye's grace: abort if this round's collectives still have not finished
+        (the peer left mid-step after all, e.g. from an exception handler)."""
+        with self._works_lock:
+            busy = self._round == rnd and any(not w.finished() for w in self._works)
+        if busy:
+            self._abort(err)
+
     def _comm_failed(self, e: Exception) -> None:
         """A collective failed or timed out (called from a work's ``wait``)."""
         self._abort(e)
 
 
-__all__ = ["FailFast"]
+__all__ = ["GOODBYE_PREFIX", "FailFast"]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import socket
 import threading
 from datetime import timedelta
@@ -163,9 +164,12 @@ class Manager(FailFast, GroupConnection):
 
         self._own_transport = checkpoint_transport is None
         if checkpoint_transport is None:
+            from rallypoint._net.heal_host import heal_address_from_env
             from rallypoint.transports.http import HTTPTransport
 
-            checkpoint_transport = HTTPTransport(timeout=self._timeout, bind="0.0.0.0:0", advertise_host=hostname)
+            heal = heal_address_from_env(os.environ, hostname)  # RALLYPOINT_HEAL_HOST: the heal network
+            checkpoint_transport = HTTPTransport(timeout=self._timeout, bind=heal.bind_spec(),
+                                                 advertise_host=heal.advertise)
         self._transport: CheckpointTransportLike[dict[str, Any]] = checkpoint_transport
         self._healer = Healer(checkpoint_transport, self._group_rank, self._timeout, self._connect_timeout, self._log)
 
