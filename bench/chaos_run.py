@@ -1,37 +1,17 @@
 """Chaos under ``rallypoint run``: SIGKILLs hit the ranks, the supervisor restarts them.
 
-The measurement of ``bench/chaos.py`` (G replica groups training a small MLP with DDP,
-gloo on CPU over loopback, ``--compute-ms`` of simulated compute per step, a SIGKILL to a
-random group every 7-13 s), with the restarts made the way each framework makes them:
-
-- ``ours``: each replica group is one ``python -m rallypoint --log-level INFO run
-  --nproc-per-node N --replica-group-id g --lighthouse ADDR --standby-delay S
-  bench/chaos_worker.py PLAN`` process. The bench reads each rank's JSON records from the
-  supervisor's prefixed stdout (``[g<G> r<rank>] {...}``, with the rank's pid) and its
-  restart events from the supervisor's stderr (``{"event": "restart", ...}``), SIGKILLs
-  the RANK process of a random group (never the supervisor), and lets ``rallypoint run``
-  restart the group from its warm standby (which imports torch, ``torch._dynamo``, what a
-  script's first ``torch.optim`` optimizer pulls in, and rallypoint's Manager, DDP and HTTP
-  transport by default; ``--preload`` adds modules). Before each kill it waits (at most
-  ``--standby-wait`` s) until the chosen group's standby has finished its imports (read from
-  ``/proc``: the standby's ``RALLYPOINT_STANDBY_READY`` file), and reports when it had not.
-- ``torchft``: torchft has no supervisor, so ``chaos.py``'s outside restart: a standby
-  process (torch and torchft imported) released 1 s after the kill (``torchft +1s``, as in
-  chaos.py), and released at once (``torchft +0s``: the fairest comparison with ours).
-
-Per kill: **kill -> the group's first participating commit** (``p=1, c=1``; by the
-worker's clock, right after ``should_commit``; with N ranks, the last rank's), the
-survivors' stall (kill -> the last survivor's first commit of a step started after the
-kill), the supervisor's ``restart_s`` and ``warm_ranks``; per run: goodput (committed
-participating replica-steps in the chaos window / (G x fault-free steps/s x duration))
-and the sha256 of every rank's parameters at a common stop step. Where the time of a
-restart goes: the supervisor's log lines (ms timestamps: the failure seen, the ranks
-started) and the worker's marks (script start after the go, Manager constructed, the
-first quorum call, process-group configure, heal fetch, each of the first steps) as ms
-after the kill, median over the kills.
-
-Goals (issue): ours kill -> first participating commit <= 0.5 s; goodput >= 0.95 with 3
-groups, >= 0.93 with 2.
+``bench/chaos.py``'s measurement (G replica groups training a small MLP with DDP, gloo on
+CPU, a SIGKILL to a random group every 7-13 s) with each framework's own restarts. Ours:
+one ``python -m rallypoint --log-level INFO run ... bench/chaos_worker.py PLAN`` per group;
+the bench reads each rank's records (with its pid) from the supervisor's prefixed stdout
+and the restart events from its stderr, SIGKILLs a RANK (never the supervisor) once the
+group's standby is ready (read from ``/proc``), and lets ``rallypoint run`` restart it.
+torchft has no supervisor: ``chaos.py``'s outside restart of a pre-imported standby, 1 s
+after the kill (``torchft_1s``) or at once (``torchft_0s``). Per kill: kill -> the group's
+first participating commit, the survivors' stall, ``restart_s``, and where the time goes
+(log and worker timestamps); per run: goodput and the parameters' sha256 at a common stop
+step. Goals (issue 14): kill -> first commit <= 0.5 s; goodput >= 0.95 (G=3), >= 0.93
+(G=2). What each column means: bench/README.md.
 
     .venv/bin/python bench/chaos_run.py                # G=2,3, 60 s chaos per variant (~10 min)
     .venv/bin/python bench/chaos_run.py --quick        # G=2, 30 s

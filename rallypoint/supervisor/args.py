@@ -23,14 +23,16 @@ when any rank exits non-zero or by a signal, the others are stopped (SIGTERM, SI
 after --grace-period) and all ranks start again, with a fresh TORCHELASTIC_RESTART_COUNT
 (at once after progress, after a backoff otherwise), from warm standby processes that
 have imported torch, rallypoint and --preload already (--no-standby: new processes); the
-restarted group heals from its peers. The supervisor hosts the
-group's store (MASTER_ADDR/MASTER_PORT), a fresh one for each restart (a spare kept
-ready on a second port, so the ports alternate; with --master-port, that port reopened). It gives up (exit 1) after --max-restarts restarts in a row without a committed
-step (a crash loop). A rank whose committed step (reported by its Manager) has not
-changed for --hang-timeout seconds is hung: its stacks (and its group's) are dumped to the
-log and the group is restarted as for a crash. SIGTERM or SIGINT stops the ranks (SIGTERM, then SIGKILL after
---grace-period) and exits 128+signal; the supervisor exits 0 when every rank exited 0.
-A usage error exits 2 before anything starts."""
+restarted group heals from its peers. The supervisor hosts the group's store
+(MASTER_ADDR/MASTER_PORT), a fresh one for each restart (a spare waits on a second port,
+so the ports alternate; with --master-port, that port is reopened). It gives up (exit 1)
+after --max-restarts restarts in a row without a committed step (a crash loop). A rank
+whose committed step (reported by its Manager) has not changed for --hang-timeout
+seconds is hung: its stacks (and its group's) are dumped to the log and the group is
+restarted as for a crash. Restarts are logged as JSON lines and reported to the
+lighthouse (its /events). SIGTERM or SIGINT stops the ranks (SIGTERM, then SIGKILL
+after --grace-period) and exits 128+signal; the supervisor exits 0 when every rank
+exited 0. A usage error exits 2 before anything starts."""
 
 
 class UsageError(ValueError):

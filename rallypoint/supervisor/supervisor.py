@@ -215,6 +215,8 @@ class Supervisor:
         self._spec = GroupSpec(cfg.nproc, cfg.master_addr, port, cfg.group_id, cfg.lighthouse, cfg.policy.max_restarts)
         log.info("%s: %d rank(s) of %s, store %s:%d, lighthouse %s", self._name, cfg.nproc, cfg.target,
                  cfg.master_addr, port, cfg.lighthouse or "from the environment")
+        self._event("started", nproc=cfg.nproc, target=os.path.basename(cfg.target), standby=cfg.standby,
+                    hang_timeout_s=cfg.hang_timeout_s)
         incarnation, restart = 0, None
         while True:
             if self._store.popen.returncode is not None:
