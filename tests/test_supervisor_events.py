@@ -415,3 +415,12 @@ def test_lighthouse_side_of_the_feature_never_imports_torchft() -> None:
         "assert 'torchft' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_throttle_logs_once_per_interval_and_counts_the_rest() -> None:
+    """The shared log throttle (refused calls, dropped reports, failed sends)."""
+    from rallypoint._net.ratelog import Throttle, left_out_note
+
+    t = Throttle(1.0, clock=lambda: 0.0)
+    assert [t.ready(now) for now in (0.0, 0.2, 0.9, 1.0, 1.5, 5.0)] == [0, None, None, 2, None, 1]
+    assert left_out_note(0) == "" and left_out_note(3, "more") == " (and 3 more left out)"

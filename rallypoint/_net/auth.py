@@ -11,11 +11,12 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import time
 from collections.abc import Mapping
 from typing import Any, Callable
 
 import grpc
+
+from rallypoint._net.ratelog import Throttle, left_out_note
 
 log = logging.getLogger("rallypoint.auth")
 
@@ -87,8 +88,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self._hint = hint
         # Refusals are logged at most once a second (with a count of the others), so a
         # flood of unauthenticated calls cannot flood the log too.
-        self._last_log = 0.0
-        self._unlogged = 0
+        self._log_throttle = Throttle(1.0)
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         got: str | bytes | None = None
@@ -98,13 +98,9 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if bearer_matches(got, self._token):
             return await continuation(details)
         why = "no token" if got is None else "wrong token"
-        now = time.monotonic()
-        if now - self._last_log >= 1.0:
-            more = f" (and {self._unlogged} other refusals in the last {now - self._last_log:.0f}s)" if self._unlogged else ""
-            log.warning("refused %s: %s%s", details.method, why, more)
-            self._last_log, self._unlogged = now, 0
-        else:
-            self._unlogged += 1
+        left_out = self._log_throttle.ready()
+        if left_out is not None:
+            log.warning("refused %s: %s%s", details.method, why, left_out_note(left_out, "other refusals"))
         if self._on_reject is not None:
             self._on_reject(details.method, why)
         hint = self._hint

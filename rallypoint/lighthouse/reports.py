@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rallypoint._net.limits import MAX_EVENT_DETAILS_BYTES, MAX_REASON_BYTES, utf8_len
+from rallypoint._net.ratelog import Throttle, left_out_note
 from rallypoint.lighthouse.metrics import LighthouseMetrics
 from rallypoint.lighthouse.state import Event, StateStore
 from rallypoint.lighthouse.validate import MAX_COUNTER, InvalidRequest, replica_id
@@ -177,8 +178,7 @@ class EventIntake:
         self._groups = RateLimiter(*per_group)
         self._total = RateLimiter(*total, max_keys=1)
         self.dropped = 0
-        self._unlogged = 0
-        self._last_log = float("-inf")
+        self._log_throttle = Throttle(DROP_LOG_INTERVAL_S, clock)
 
     def accept(self, report: Report, peer: str = "") -> Event | None:
         """The recorded event, or None when a rate limit dropped it."""
@@ -196,14 +196,13 @@ class EventIntake:
     def _drop(self, report: Report, peer: str, now: float) -> None:
         self.dropped += 1
         self._metrics.rejected("rate_limited")
-        if now - self._last_log < DROP_LOG_INTERVAL_S:
-            self._unlogged += 1
+        left_out = self._log_throttle.ready(now)
+        if left_out is None:
             return
-        more = f" (and {self._unlogged} more since the last such line)" if self._unlogged else ""
+        more = left_out_note(left_out, "more")
         log.warning("[%s] dropped a reported %s event from %s: over the rate limit (%g/s per group, %g/s "
                     "overall)%s; %d dropped in all", report.group, report.kind, peer or "a caller",
                     self._groups.rate, self._total.rate, more, self.dropped)
-        self._last_log, self._unlogged = now, 0
 
 
 __all__ = ["EVENT_KINDS", "KIND_PREFIX", "EventIntake", "RateLimiter", "Report", "details", "supervisor_event"]

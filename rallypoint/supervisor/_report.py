@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rallypoint._net.limits import MAX_EVENT_DETAILS_BYTES, MAX_REPLICA_ID_BYTES, clip
+from rallypoint._net.ratelog import Throttle, left_out_note
 
 log = logging.getLogger("rallypoint.run")
 
@@ -116,8 +117,7 @@ class EventReporter:
         self._deadline: float | None = None  # set by close(): flush until then
         self.sent = 0
         self.dropped = 0
-        self._warned_at = -math.inf
-        self._unwarned = 0
+        self._warn_throttle = Throttle(WARN_INTERVAL_S)
 
     @property
     def enabled(self) -> bool:
@@ -269,13 +269,9 @@ class EventReporter:
         return self._client
 
     def _warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._warned_at < WARN_INTERVAL_S:
-            self._unwarned += 1
-            return
-        more = f" ({self._unwarned} similar warning(s) left out)" if self._unwarned else ""
-        log.warning("%s%s", message, more)
-        self._warned_at, self._unwarned = now, 0
+        left_out = self._warn_throttle.ready()
+        if left_out is not None:
+            log.warning("%s%s", message, left_out_note(left_out, "similar warning(s)"))
 
 
 __all__ = ["EventReporter", "flat_details", "group_label"]
