@@ -146,7 +146,6 @@ class Demo:
         self.args = args
         self.dir = Path(tempfile.mkdtemp(prefix="rallypoint-train-demo-"))
         self.stop_file = self.dir / "stop"  # the step every rank stops at
-        self.release_file = self.dir / "release"  # then every rank leaves at once
         self.lighthouse: subprocess.Popen | None = None
         sizes = [int(n) for n in args.ranks.split(",")]
         self.groups = [Group(g, n, self.dir / f"g{g}.log") for g, n in enumerate(sizes)]
@@ -205,7 +204,7 @@ class Demo:
                 "--nproc-per-node", str(g.ranks), "--replica-group-id", str(g.gid), "--lighthouse", self.lh,
                 *(["--no-standby"] if self.args.cold_restart else []), str(TRAIN), "--steps", "100000", "--sleep", str(self.args.sleep), "--batch-size", "32",
                 "--progress", str(progress), "--stop-file", str(self.stop_file),
-                "--linger-file", str(self.release_file), "--timeout", "10",
+                "--timeout", "10",
                 "--log-level", "INFO"]
 
     def start_group(self, g: Group) -> None:
@@ -465,12 +464,11 @@ class Demo:
             g.state = "stopping"
         self.say(f"stopping every rank at step {target} (--stop-file)")
         t_stop = time.time()
-        # Every rank has left its loop (so no step is in flight anywhere) before any replica
-        # leaves the quorum: a replica leaving while a slower one is still finishing the last
-        # step could fail that step there.
+        # Ranks leave as they reach it: a replica that says goodbye while a slower peer is
+        # still in the last step's collectives gives them time to finish (the Manager's
+        # goodbye grace), so nothing here holds the faster ones back.
         self.wait_for("every rank to reach the stop step", lambda: all(
             g.latest(r).get("event") == "exit" for g in self.groups for r in range(g.ranks)))
-        self.release_file.touch()
         self.wait_for("every rallypoint run to exit", lambda: all(
             g.sup is not None and g.sup.poll() is not None for g in self.groups))
         t_exit = time.time()

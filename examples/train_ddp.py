@@ -23,8 +23,7 @@ starts the quorum, ``step`` steps only on commit) and ``rallypoint.DistributedSa
 
 ``--progress FILE`` appends one JSON line per step (step, participants, committed,
 sha256 of the parameters, batches_committed, heals) for a demo or a test to follow;
-``--stop-file FILE`` holding a step number makes the script stop once it reaches it
-(``--linger-file FILE``: and leave only once that file exists).
+``--stop-file FILE`` holding a step number makes the script stop once it reaches it.
 """
 
 from __future__ import annotations
@@ -86,9 +85,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (0.05)")
     ap.add_argument("--sleep", type=float, default=0.0, help="simulated compute seconds per step (0)")
     ap.add_argument("--stop-file", default=None, help="stop once the step reaches the number in this file")
-    ap.add_argument("--linger-file", default=None, help="after a stop, keep the Manager up (at most 60 s) until this "
-                    "file exists: a demo releases every replica at once, so that none leaves while a slower one "
-                    "is still finishing the last step")
     ap.add_argument("--wait-file", default=None, help="stand by (torch imported, model built) until this file "
                     "exists, then join: a pre-warmed replacement for a replica that may die")
     _common.add_common_args(ap)  # --progress, --max-seconds, --min-replicas, --timeout, ...
@@ -201,10 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         progress.write(event="exit", step=manager.current_step(), sha256=_common.tensors_sha256(model.parameters()),
                        rc=rc, batches_committed=manager.batches_committed(), heals=len(heals))
         progress.close()
-        if args.linger_file and rc == 0:
-            linger = _common.Deadline(60.0)
-            while not os.path.exists(args.linger_file) and not linger.expired():
-                time.sleep(0.02)
         ddp.shutdown()
         manager.shutdown(wait=False)
         pg.shutdown()
