@@ -224,6 +224,21 @@ def close_all(children: Iterable[Child | None], grace: float = 5.0) -> None:
                 print(f"warning: cleaning up {c.name} (pid {c.pid}): {e}", file=sys.stderr)
 
 
+def goal_met(value: float | None, ok: bool) -> bool | None:
+    """A goal's verdict for the JSON line: None when there was nothing to measure."""
+    return None if value is None else ok
+
+
+def report_goals(bench: str, plan: dict[str, Any], results: Any, goals: dict[str, bool | None],
+                 ratios: dict[str, Any], out: str | None) -> None:
+    """The goals line, then the bench's one JSON line (also written to ``out``)."""
+    print("goals: " + ", ".join(f"{k}: {'met' if v else ('not met' if v is False else '-')}" for k, v in goals.items()))
+    line = json.dumps({"bench": bench, "plan": plan, "results": results, "goals": goals, "ratios": ratios})
+    if out:
+        Path(out).write_text(line + "\n")
+    print(line)
+
+
 def fmt_ms(v: float | None) -> str:
     if v is None or v != v:
         return "-"

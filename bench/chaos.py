@@ -437,12 +437,8 @@ def main() -> None:
         target = {2: 0.90, 3: 0.91}.get(g)
         gp = get("ours", g, "goodput")
         if target is not None:
-            goals[f"ours_goodput_g{g}>={target}"] = None if gp is None else gp >= target
-    print("goals: " + ", ".join(f"{k}: {'met' if v else ('not met' if v is False else '-')}" for k, v in goals.items()))
-    line = json.dumps({"bench": "chaos", "plan": plan, "results": results, "goals": goals, "ratios": ratios})
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+            goals[f"ours_goodput_g{g}>={target}"] = _util.goal_met(gp, gp is not None and gp >= target)
+    _util.report_goals("chaos", plan, results, goals, ratios, args.out)
 
 
 if __name__ == "__main__":

@@ -600,16 +600,12 @@ def main() -> None:
             ratios[f"goodput_g{g}_ours_vs_{tv}"] = ratio(get("ours", g, "goodput"), get(tv, g, "goodput"))
             ratios[f"stall_g{g}_ours_vs_{tv}"] = ratio(get("ours", g, "median_stall_s"), get(tv, g, "median_stall_s"))
         kc = get("ours", g, "median_kill_to_commit_s")
-        goals[f"ours_kill_to_commit_g{g}<=0.5s"] = None if kc is None else kc <= 0.5
+        goals[f"ours_kill_to_commit_g{g}<=0.5s"] = _util.goal_met(kc, kc is not None and kc <= 0.5)
         target = {2: 0.93, 3: 0.95}.get(g)
         gp = get("ours", g, "goodput")
         if target is not None:
-            goals[f"ours_goodput_g{g}>={target}"] = None if gp is None else gp >= target
-    print("goals: " + ", ".join(f"{k}: {'met' if v else ('not met' if v is False else '-')}" for k, v in goals.items()))
-    line = json.dumps({"bench": "chaos_run", "plan": plan, "results": results, "goals": goals, "ratios": ratios})
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+            goals[f"ours_goodput_g{g}>={target}"] = _util.goal_met(gp, gp is not None and gp >= target)
+    _util.report_goals("chaos_run", plan, results, goals, ratios, args.out)
 
 
 if __name__ == "__main__":
