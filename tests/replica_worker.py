@@ -93,7 +93,7 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
     # Initial weights from a generator of our own: ranks run as threads of one process,
     # and the global RNG would interleave their draws.
     init = torch.Generator().manual_seed(seed)
-    model = nn.Linear(4, 2)
+    model = nn.Linear(4, int(opts.get("width", 2)))  # width 80000: a 1.3 MB weight, served live
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=init) * 0.5)

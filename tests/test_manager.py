@@ -53,6 +53,25 @@ def test_late_replica_heals_from_peer(lighthouse_factory, replicas_factory, use_
     assert hist[0][0] > 1, hist  # its first committed step came after the heal, not from 0
 
 
+def test_late_replica_heals_striped_from_two_peers(lighthouse_factory, replicas_factory) -> None:
+    """Two replicas train; a third joins late and heals from both at once (striped), and
+    all three end identical. The weight is big enough (1.3 MB) to be served live."""
+    lh = lighthouse_factory(min_replicas=2, join_timeout_ms=2000)
+    r = replicas_factory(lh)
+    r.start("replica_0", seed=1, delay=0.1, width=80_000)
+    r.start("replica_1", seed=2, delay=0.1, width=80_000)
+    r.wait_for("two replicas at step 3", lambda: min(r.step("replica_0"), r.step("replica_1")) >= 3, 30)
+    r.start("replica_2", seed=3, delay=0.1, width=80_000)
+    r.wait_for("replica_2 healed", lambda: r.step("replica_2") >= 4, 30)
+    target = max(r.step(n) for n in ("replica_0", "replica_1", "replica_2")) + 3
+    r.finish(target, timeout=30)
+    assert_identical(r, ["replica_0", "replica_1", "replica_2"], target)
+    healer = next(f for f in r.tmp.glob("replica_2.*.log")).read_text()
+    assert "striped with ranks" in healer, healer[-3000:]
+    sources = "".join(f.read_text() for f in r.tmp.glob("replica_[01].*.log"))
+    assert "bytes live" in sources and "changed while it was served" not in sources, sources[-3000:]
+
+
 def test_killed_replica_survivor_continues_and_restart_heals(lighthouse_factory, replicas_factory) -> None:
     lh = lighthouse_factory(min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000)
     r = replicas_factory(lh)

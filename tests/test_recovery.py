@@ -85,6 +85,20 @@ def test_table(quorum: Quorum, rid: str, group_rank: int, init_sync: bool, expec
     assert r.recover_src_manager_address == (f"http://m{src}:1" if src is not None else "")
 
 
+@pytest.mark.parametrize(("rid", "group_rank", "srcs", "stripe_dst"), [
+    ("r1", 0, [0, 2], []),  # assigned r0 first, then the other source
+    ("r3", 0, [2, 0], []),  # assigned r2 first, then round-robin after it
+    ("r1", 1, [2, 0], []),  # group rank 1 is assigned r2: a different first source
+    ("r0", 0, [], [1, 3, 4]),  # a source: every healer may fetch a part from it
+    ("r2", 1, [], [1, 3, 4]),
+])
+def test_striping_table(rid: str, group_rank: int, srcs: list[int], stripe_dst: list[int]) -> None:
+    r = compute_quorum_result(q(9, 2, 9, 4, 1), rid, group_rank, True)
+    assert r.recover_src_replica_ranks == srcs
+    assert r.recover_src_manager_addresses == [f"http://m{k}:1" for k in srcs]
+    assert r.stripe_dst_replica_ranks == stripe_dst
+
+
 def test_commit_failures_is_the_max_over_members() -> None:
     r = compute_quorum_result(q(1, 1, 1, commit_failures=(0, 3, 1)), "r0", 0, True)
     assert r.commit_failures == 3
@@ -143,6 +157,17 @@ def test_assignment_properties(quorum: Quorum, group_rank: int, init_sync: bool)
             assert r.recover_src_replica_rank is None and r.recover_src_manager_address == ""
             assert step == max_step
         assert (r.max_replica_rank is None) == (step != max_step)
+    # Striping (rallypoint's fields): a healer lists every source once, its assigned one
+    # first, with the matching addresses; a source lists every healer; nobody else does.
+    for i, r in enumerate(results):
+        if r.heal:
+            assert r.recover_src_replica_ranks[0] == r.recover_src_replica_rank
+            assert sorted(r.recover_src_replica_ranks) == sorted(sources)
+            assert r.recover_src_manager_addresses == [f"http://m{k}:1" for k in r.recover_src_replica_ranks]
+            assert r.stripe_dst_replica_ranks == []
+        else:
+            assert r.recover_src_replica_ranks == [] and r.recover_src_manager_addresses == []
+            assert r.stripe_dst_replica_ranks == sorted(healers)
     # Each source's dst list is exactly the healers that named it.
     for s in sources:
         named = sorted(i for i in healers if results[i].recover_src_replica_rank == s)
@@ -168,3 +193,29 @@ def test_first_step_every_group_rank_starts_from_the_same_copy(quorum: Quorum, r
     for i in range(n):
         srcs = {compute_quorum_result(quorum, f"r{i}", g, True).recover_src_replica_rank for g in range(ranks)}
         assert len(srcs) == 1, srcs
+
+
+def test_stripe_addition_round_trips_and_bad_ones_are_ignored() -> None:
+    """The striping fields travel as trailing metadata (torchft's message unchanged); a
+    client takes them only when well-formed, within size limits and consistent with the
+    answer (else it heals from its assigned source alone)."""
+    import dataclasses
+
+    from rallypoint.manager.client import STRIPE_KEY, result_from_pb, result_to_pb, stripe_metadata, with_stripe
+
+    full = compute_quorum_result(q(9, 2, 9, 4, 1), "r1", 0, True)
+    bare = result_from_pb(result_to_pb(full))  # what torchft's fields carry
+    assert bare.recover_src_replica_ranks == [] and bare.heal
+    md = stripe_metadata(full)
+    assert md is not None and md[0][0] == STRIPE_KEY
+    assert with_stripe(bare, md) == full
+    assert stripe_metadata(compute_quorum_result(q(3, 3), "r0", 0, True)) is None  # nothing to stripe
+    assert with_stripe(bare, None) == bare
+    assert with_stripe(bare, ((STRIPE_KEY, b"\xff" * 10),)) == bare  # not a message
+    assert with_stripe(bare, ((STRIPE_KEY, b"\x00" * (1 << 15)),)) == bare  # over the size limit
+    wrong_first = dataclasses.replace(full, recover_src_replica_ranks=[2, 0])
+    assert with_stripe(bare, stripe_metadata(wrong_first)) == bare  # not the assigned source first
+    out_of_range = dataclasses.replace(full, recover_src_replica_ranks=[0, 99])
+    assert with_stripe(bare, stripe_metadata(out_of_range)) == bare
+    long_addr = dataclasses.replace(full, recover_src_manager_addresses=["http://m0:1", "x" * 5000])
+    assert with_stripe(bare, stripe_metadata(long_addr)) == bare

@@ -228,18 +228,23 @@ def test_truncation_anywhere_is_an_error_and_target_untouched() -> None:
     assert_untouched(target)
 
 
-def test_flipped_byte_anywhere_is_an_error() -> None:
-    data = wire.to_bytes(sample(), block=16)
+@pytest.mark.parametrize("sums", ["header", "inline"])
+def test_flipped_byte_anywhere_is_an_error(sums: str) -> None:
+    data = wire.to_bytes(sample(), block=16, sums=sums)
     target = fresh_target()
-    hdr_end = len(wire.encode(sample(), block=16).header)
+    hdr_end = len(wire.encode(sample(), block=16, sums=sums).header)
     for pos in range(len(data)):
         bad = bytearray(data)
         bad[pos] ^= 0x10
         with pytest.raises(WireError):
             wire.decode(bytes(bad), into=target)
     assert_untouched(target)
+    if sums == "inline":  # a, 7 x 5 float32 in 16-byte pieces, each followed by its 4-byte sum
+        pos = hdr_end + 7 * 5 * 4 + 4 * -(-7 * 5 * 4 // 16) + 3
+    else:
+        pos = hdr_end + 7 * 5 * 4 + 3
     bad = bytearray(data)
-    bad[hdr_end + 7 * 5 * 4 + 3] ^= 1  # inside tensor 'b'
+    bad[pos] ^= 1  # inside tensor 'b'
     with pytest.raises(WireError, match="checksum mismatch") as ei:
         wire.decode(bytes(bad))
     assert ei.value.key == "['b']"
@@ -284,6 +289,8 @@ def good_header() -> tuple[dict[str, Any], bytes]:
         (lambda h: h["tree"]["d"][1].__setitem__(1, {"t": 0}), "repeated tensor index"),
         (lambda h: h.update(version=9), "version 9"),
         (lambda h: h["tensors"][0].update(crc32=[]), "checksums"),
+        (lambda h: h.update(sums="outline"), "sums must be 'header' or 'inline'"),
+        (lambda h: h.update(sums="inline"), "checksums in the header of an inline-checksum stream"),
     ],
 )
 def test_bad_headers_are_clear_errors(mutate: Any, match: str) -> None:
@@ -324,10 +331,11 @@ def test_decode_never_unpickles() -> None:
         wire.decode(buf.getvalue())
 
 
-def test_parallel_ranges_out_of_order() -> None:
+@pytest.mark.parametrize("sums", ["header", "inline"])
+def test_parallel_ranges_out_of_order(sums: str) -> None:
     """What HTTP does: split at checksum blocks, write ranges from threads in any order."""
     sd = {f"t{i}": torch.randn(i * 37 + 1) for i in range(20)}
-    enc = wire.encode(sd, block=256)
+    enc = wire.encode(sd, block=256, sums=sums)
     header = wire.read_header(io.BytesIO(enc.header).readinto)
     sink = wire.Sink(header)
     ranges = header.split(7, max_bytes=1000)
@@ -336,8 +344,10 @@ def test_parallel_ranges_out_of_order() -> None:
 
     def fetch(r: tuple[int, int]) -> None:
         w = sink.writer(*r)
-        for chunk in enc.iter_data(*r, piece=100):
-            w.write(bytes(chunk))
+        data = b"".join(bytes(c) for c in enc.iter_data(*r, piece=100))
+        assert len(data) == header.wire_bytes(*r) == enc.wire_bytes(*r)
+        for i in range(0, len(data), 100):  # chunks that cut pieces and sums anywhere
+            w.write(data[i : i + 100])
         w.close()
 
     with cf.ThreadPoolExecutor(4) as ex:
@@ -392,7 +402,9 @@ def test_parallel_checksums_and_big_tensors(monkeypatch: pytest.MonkeyPatch) -> 
     huge-page advice (>= 4 MiB) round-trips."""
     sd = {"big": torch.randn(5 << 18), "small": torch.arange(10)}
     serial = wire.encode(sd, block=1 << 16).header
-    monkeypatch.setattr(wire, "PARALLEL_CRC_BYTES", 0)
+    from rallypoint.transports import _encode
+
+    monkeypatch.setattr(_encode, "PARALLEL_CRC_BYTES", 0)
     parallel = wire.encode(sd, block=1 << 16)
     assert parallel.header == serial
     assert_same(sd, wire.decode(b"".join(bytes(v) for v in parallel.iter_stream())))
@@ -413,8 +425,9 @@ class ShortReads:
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**31), most=st.sampled_from([333, 5000, 70_000, 1 << 20]), in_place=st.booleans())
-def test_short_reads_and_mixed_sizes(seed: int, most: int, in_place: bool) -> None:
+@given(seed=st.integers(0, 2**31), most=st.sampled_from([333, 5000, 70_000, 1 << 20]), in_place=st.booleans(),
+       sums=st.sampled_from(["header", "inline"]))
+def test_short_reads_and_mixed_sizes(seed: int, most: int, in_place: bool, sums: str) -> None:
     """Runs of tiny tensors (read through the scratch buffer) around big ones (read in
     place), with a reader that returns arbitrary short counts."""
     g = torch.Generator().manual_seed(seed)
@@ -424,7 +437,7 @@ def test_short_reads_and_mixed_sizes(seed: int, most: int, in_place: bool) -> No
         "more": [torch.randint(0, 9, (50,), generator=g) for _ in range(50)],
         "big2": torch.randn(40_000, generator=g).to(torch.float16),
     }
-    data = wire.to_bytes(sd, block=1 << 16)
+    data = wire.to_bytes(sd, block=1 << 16, sums=sums)
     target = {
         k: [torch.zeros_like(t) for t in v] if isinstance(v, list) else torch.zeros_like(v) for k, v in sd.items()
     }

@@ -1,7 +1,8 @@
 from . import torchft_pb2 as _torchft_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -99,3 +100,13 @@ class ReportEventResponse(_message.Message):
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     event_id: int
     def __init__(self, event_id: _Optional[int] = ...) -> None: ...
+
+class QuorumStripe(_message.Message):
+    __slots__ = ("src_replica_ranks", "src_manager_addresses", "dst_replica_ranks")
+    SRC_REPLICA_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SRC_MANAGER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    DST_REPLICA_RANKS_FIELD_NUMBER: _ClassVar[int]
+    src_replica_ranks: _containers.RepeatedScalarFieldContainer[int]
+    src_manager_addresses: _containers.RepeatedScalarFieldContainer[str]
+    dst_replica_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, src_replica_ranks: _Optional[_Iterable[int]] = ..., src_manager_addresses: _Optional[_Iterable[str]] = ..., dst_replica_ranks: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -2,17 +2,20 @@
 from the assigned source. The :class:`Manager` decides *when* (on the quorum thread, or on
 the training thread at a safe point); this module only does the transfer.
 
-Why what is served is a copy: training may change the state while the healing peer reads
-it (served on the training thread inside ``should_commit``, the optimizer steps right
-after the vote; a synchronous quorum's sender steps on through DiLoCo's sync delay;
-BatchNorm buffers change during forward). A copy taken when it is served is what the peer
-receives, whatever the sender does next. Our transports copy (HTTP) or finish before
-returning (process group); another transport is given a copy (:func:`materialise`).
+Why what is served must be guarded: training may change the state while the healing peer
+reads it (the optimizer steps right after the vote; a synchronous quorum's sender steps
+on through DiLoCo's sync delay; BatchNorm buffers change during forward). The peer must
+receive the state as it was served, whatever the sender does next. Our transports guard
+it themselves (``copies_state``): HTTP serves the live tensors and freezes them before
+they change (``rallypoint.transports._live``; the Manager's ``should_commit`` and any
+optimizer step do), the process group finishes before returning. Another transport is
+given a copy (:func:`materialise`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -39,8 +42,19 @@ def materialise(tree: Any) -> Any:
     return tree
 
 
+#: ``0`` turns striped healing off: a healing replica fetches from its assigned source only.
+STRIPE_ENV = "RALLYPOINT_HEAL_STRIPE"
+
+
 class Healer:
-    """Serves and fetches heals through one checkpoint transport."""
+    """Serves and fetches heals through one checkpoint transport.
+
+    Striped healing: with a transport that can (``stripes``: ours over HTTP), every
+    up-to-date replica serves every healing one, and a healing replica fetches disjoint
+    parts of the state from all of them at once (its assigned source first; a source
+    that fails is dropped and the others serve its part). Off with
+    ``RALLYPOINT_HEAL_STRIPE=0``.
+    """
 
     def __init__(self, transport: CheckpointTransportLike[dict[str, Any]], group_rank: int, timeout: timedelta,
                  connect_timeout: timedelta, log: logging.LoggerAdapter) -> None:
@@ -49,19 +63,31 @@ class Healer:
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._log = log
+        self.stripe = bool(getattr(transport, "stripes", False)) and os.environ.get(STRIPE_ENV, "1") != "0"
+
+    def serves(self, q: QuorumResult) -> list[int]:
+        """The replica ranks that may fetch from us in quorum ``q`` (empty: serve nothing)."""
+        dst = list(q.recover_dst_replica_ranks)
+        if getattr(self._transport, "stripes", False):  # a healer may stripe even if we would not
+            dst += [r for r in q.stripe_dst_replica_ranks if r not in dst]
+        return dst
 
     def serve(self, q: QuorumResult, state: dict[str, Any]) -> None:
         """Offer ``state`` as step ``q.max_step`` to the replica ranks that heal from us.
         Training may change the state before the peer has it (a synchronous quorum's
         sender steps on through DiLoCo's sync delay; BatchNorm buffers change in forward),
-        so a transport that does not copy or finish on its own (``copies_state``: ours
-        do) serves a copy."""
+        so a transport that does not guard it on its own (``copies_state``: ours do)
+        serves a copy."""
         if not getattr(self._transport, "copies_state", False):
             state = materialise(state)
-        self._log.info("serving step %d to replica ranks %s", q.max_step, list(q.recover_dst_replica_ranks))
-        self._transport.send_checkpoint(
-            dst_ranks=list(q.recover_dst_replica_ranks), step=q.max_step, state_dict=state, timeout=self._timeout,
-        )
+        dst = self.serves(q)
+        self._log.info("serving step %d to replica ranks %s", q.max_step, dst)
+        self._transport.send_checkpoint(dst_ranks=dst, step=q.max_step, state_dict=state, timeout=self._timeout)
+
+    def _metadata(self, address: str, timeout: timedelta) -> str:
+        """Where the replica whose manager is at ``address`` serves our group rank's state."""
+        with ManagerClient(address, connect_timeout=self._connect_timeout, fail_fast=True) as peer:
+            return peer._checkpoint_metadata(self._group_rank, timeout=timeout)
 
     def fetch(self, q: QuorumResult, into: Any = None, mesh: Any = None) -> dict[str, Any]:
         """The state of step ``q.max_step`` from our assigned source. ``into``: our current
@@ -70,9 +96,17 @@ class Healer:
         src = q.recover_src_replica_rank
         if src is None:
             raise RuntimeError(f"quorum {q.quorum_id} says heal but names no recovery source")
-        self._log.info("healing to step %d from replica rank %d (%s)", q.max_step, src, q.recover_src_manager_address)
-        with ManagerClient(q.recover_src_manager_address, connect_timeout=self._connect_timeout, fail_fast=True) as peer:
-            meta = peer._checkpoint_metadata(self._group_rank, timeout=self._timeout)
+        meta = self._metadata(q.recover_src_manager_address, self._timeout)
+        others = list(zip(q.recover_src_replica_ranks, q.recover_src_manager_addresses))[1:] if self.stripe else []
+        extra_srcs: list[int] = []
+        for rank, addr in others:
+            try:  # a source that cannot say where it serves is left out, not waited for
+                meta += "," + self._metadata(addr, min(self._timeout, timedelta(seconds=5)))
+                extra_srcs.append(rank)
+            except Exception as e:  # noqa: BLE001
+                self._log.warning("striped heal: replica rank %d (%s) left out: %s", rank, addr, e)
+        self._log.info("healing to step %d from replica rank %d (%s)%s", q.max_step, src,
+                       q.recover_src_manager_address, f", striped with ranks {extra_srcs}" if extra_srcs else "")
         extra: dict[str, Any] = {}
         if into is not None:
             extra["into"] = into

@@ -10,12 +10,16 @@ uses it to bound its own lighthouse call). gRPC errors become ``TimeoutError``,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from datetime import timedelta
+from typing import Any
 
 import grpc
 
+from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
+from rallypoint._net.limits import MAX_ADDRESS_BYTES, utf8_len
 from rallypoint._net.addr import grpc_target
 from rallypoint._net.auth import bearer_metadata, job_token
 from rallypoint._net.rpc import channel_options, seconds, translate_rpc_error
@@ -64,6 +68,48 @@ def result_to_pb(r: QuorumResult) -> pb.ManagerQuorumResponse:
     if r.max_replica_rank is not None:
         msg.max_replica_rank = r.max_replica_rank
     return msg
+
+
+#: The trailing metadata key of a ManagerServer's striping addition (rallypoint.proto's
+#: QuorumStripe); torchft's clients ignore it.
+STRIPE_KEY = "rallypoint-stripe-bin"
+#: The most sources and the largest addition a client takes from one answer.
+MAX_STRIPE_SOURCES = 8
+MAX_STRIPE_BYTES = 16 * 1024
+
+
+def stripe_metadata(r: QuorumResult) -> tuple[tuple[str, bytes]] | None:
+    """The striping fields of ``r`` as trailing metadata (None when there are none)."""
+    if not (r.recover_src_replica_ranks or r.stripe_dst_replica_ranks):
+        return None
+    n = MAX_STRIPE_SOURCES
+    msg = rpb.QuorumStripe(src_replica_ranks=r.recover_src_replica_ranks[:n],
+                           src_manager_addresses=r.recover_src_manager_addresses[:n],
+                           dst_replica_ranks=r.stripe_dst_replica_ranks)
+    return ((STRIPE_KEY, msg.SerializeToString()),)
+
+
+def with_stripe(r: QuorumResult, trailing: Any) -> QuorumResult:
+    """``r`` with the striping fields a rallypoint ManagerServer sent in ``trailing``
+    (gRPC trailing metadata); unchanged when there are none, or they are malformed or
+    over the size limits (striping is an optimisation: the assigned source suffices)."""
+    raw = next((v for k, v in (trailing or ()) if k == STRIPE_KEY), None)
+    if not isinstance(raw, bytes) or len(raw) > MAX_STRIPE_BYTES:
+        return r
+    try:
+        msg = rpb.QuorumStripe.FromString(raw)
+    except Exception:  # noqa: BLE001 - a malformed addition is ignored
+        log.warning("ignoring a malformed striping addition to the quorum answer")
+        return r
+    srcs = list(msg.src_replica_ranks)[:MAX_STRIPE_SOURCES]
+    addrs = list(msg.src_manager_addresses)[:MAX_STRIPE_SOURCES]
+    if len(srcs) != len(addrs) or any(utf8_len(a) > MAX_ADDRESS_BYTES for a in addrs) \
+            or any(not 0 <= k < r.replica_world_size for k in [*srcs, *msg.dst_replica_ranks]) \
+            or (srcs and srcs[0] != r.recover_src_replica_rank):
+        log.warning("ignoring an inconsistent striping addition to the quorum answer")
+        return r
+    return dataclasses.replace(r, recover_src_replica_ranks=srcs, recover_src_manager_addresses=addrs,
+                               stripe_dst_replica_ranks=list(msg.dst_replica_ranks)[: r.replica_world_size])
 
 
 def quorum_request(
@@ -146,10 +192,10 @@ class ManagerClient:
         secs = seconds(timeout)
         req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync)
         try:
-            resp = self._quorum_call(req, timeout=secs, metadata=self._rank_metadata)
+            resp, call = self._quorum_call.with_call(req, timeout=secs, metadata=self._rank_metadata)
         except grpc.RpcError as e:
             raise self._translate(e, f"quorum for group rank {group_rank} at step {step}", secs) from None
-        return result_from_pb(resp)
+        return with_stripe(result_from_pb(resp), call.trailing_metadata())
 
     def _checkpoint_metadata(self, rank: int, timeout: float | timedelta) -> str:
         """The checkpoint metadata group rank ``rank`` sent with its last quorum request."""

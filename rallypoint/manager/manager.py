@@ -19,13 +19,15 @@ behind receives the state of an up-to-date peer through the checkpoint transport
 quorum thread and applies it in :meth:`should_commit` (or :meth:`wait_quorum`, or
 :meth:`start_quorum` when the quorum is synchronous). A sender serves its state as soon
 as its quorum arrives (its ``state_dict()`` callbacks run on the quorum thread, as in
-torchft) so the healing peer finds it at once; the state is withdrawn in
-:meth:`should_commit`, before the optimizer may change it.
+torchft) so the healing peer finds it at once. It is served live, without a copy
+(forward and backward do not change parameters or optimizer state), and frozen in
+:meth:`should_commit`, before the optimizer may change it: whatever the peer has not
+received yet is copied then, and served from the copy (``rallypoint.transports._live``).
 
 ``heal_on_training_thread=True`` (for FSDP2, whose state must not be read while forward
 reshards it: torchtitan#4754) moves both sides into :meth:`should_commit` (before the vote;
 :meth:`start_quorum` when the quorum is synchronous) on the training thread: the sender
-serves a copy of its state until its next ``should_commit``; the receiver fetches into its
+serves its state (frozen right after the vote); the receiver fetches into its
 current state (DTensors rebuilt on its own mesh) and applies it.
 
 A quorum that does not form within ``quorum_timeout`` is not a communication hiccup:
@@ -320,7 +322,7 @@ class Manager(FailFast, GroupConnection):
                 self.report_error(e)
                 return
 
-        if not allow_heal or not (q.heal or q.recover_dst_replica_ranks):
+        if not allow_heal or not (q.heal or self._healer.serves(q)):
             return
         if q.heal:
             self._healing = True  # contributes zeros until the state is applied
@@ -328,7 +330,7 @@ class Manager(FailFast, GroupConnection):
             self._heal_plan = q  # served / fetched by _heal_here on the training thread
             return
         try:
-            if q.recover_dst_replica_ranks:
+            if self._healer.serves(q):
                 # Served now, so the healing peer finds it as soon as it asks (a copy:
                 # see _heal.py); withdrawn in should_commit. User state_dict callbacks
                 # therefore run on this thread (heal_on_training_thread moves them).
@@ -349,7 +351,7 @@ class Manager(FailFast, GroupConnection):
             return
         self._heal_busy = True
         try:
-            if q.recover_dst_replica_ranks:
+            if self._healer.serves(q):
                 self._healer.serve(q, self._manager_state_dict())
                 self._served_round = self._round
             if q.heal:
@@ -456,13 +458,19 @@ class Manager(FailFast, GroupConnection):
             decision = False
         self._log.info("should_commit step %d: %s (local %s, participants %d/%d, error %s)", self._step, decision,
                        local, self._participating_world_size, self._min_replica_size, self.errored())
-        if self._served_round != self._round:
-            # A copy served on the training thread in this step stays up until the next
-            # step: the healing peer may still be fetching it after our vote.
-            try:
+        # The optimizer may step once we return: what we serve must not change under a
+        # reader. A state served on the training thread in this step stays up (the
+        # healing peer may not even have asked yet): a live transport freezes it, a
+        # copy needs nothing. Otherwise the transport stops serving (a live one keeps
+        # a frozen copy of what a receiver still reads).
+        freeze = getattr(self._transport, "freeze_checkpoint", None)
+        try:
+            if self._served_round != self._round:
                 self._transport.disallow_checkpoint()
-            except Exception as e:  # noqa: BLE001
-                self._log.warning("disallow_checkpoint failed: %s", e)
+            elif freeze is not None:
+                freeze()
+        except Exception as e:  # noqa: BLE001
+            self._log.warning("disallow_checkpoint failed: %s", e)
         if self._quorum_error is not None:
             self._commit_failures += 1
             raise self._quorum_error

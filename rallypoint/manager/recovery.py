@@ -20,6 +20,13 @@ The rules (DESIGN.md, "The manager"), matching torchft 0.2.0's answers except wh
 * the members that do not heal serve the healing ones in order, round-robin, starting
   at offset ``group_rank`` so that different group ranks load different sources (all
   sources are identical: they committed the same steps).
+* **rallypoint's addition** (sent apart from torchft's answer, as trailing metadata that
+  torchft's clients ignore: ``client.stripe_metadata``), for striped healing: a
+  healing member also learns every source (``recover_src_replica_ranks`` /
+  ``recover_src_manager_addresses``: its assigned source first, then the others in
+  round-robin order after it), and every source learns every healing member
+  (``stripe_dst_replica_ranks``), so a healer can fetch disjoint parts of the state from
+  all of them at once and fall back to the others when one fails.
 """
 
 from __future__ import annotations
@@ -48,6 +55,11 @@ class QuorumResult:
     heal: bool
     commit_failures: int
     replica_ids: list[str] = field(default_factory=list)
+    #: striped healing (rallypoint only): every source, the assigned one first
+    recover_src_replica_ranks: list[int] = field(default_factory=list)
+    recover_src_manager_addresses: list[str] = field(default_factory=list)
+    #: striped healing: every healing member, for a source (it may fetch parts from us)
+    stripe_dst_replica_ranks: list[int] = field(default_factory=list)
 
 
 def compute_quorum_result(quorum: Quorum, replica_id: str, group_rank: int, init_sync: bool = True) -> QuorumResult:
@@ -88,6 +100,10 @@ def compute_quorum_result(quorum: Quorum, replica_id: str, group_rank: int, init
         dsts_of.setdefault(src, []).append(dst)
 
     my_src = src_of.get(replica_rank)
+    stripe: list[int] = []
+    if my_src is not None:
+        first = sources.index(my_src)
+        stripe = [sources[(first + k) % len(sources)] for k in range(len(sources))]
     return QuorumResult(
         quorum_id=quorum.quorum_id,
         replica_rank=replica_rank,
@@ -102,6 +118,9 @@ def compute_quorum_result(quorum: Quorum, replica_id: str, group_rank: int, init
         heal=my_src is not None,
         commit_failures=max(m.commit_failures for m in members),
         replica_ids=ids,
+        recover_src_replica_ranks=stripe,
+        recover_src_manager_addresses=[members[i].address for i in stripe],
+        stripe_dst_replica_ranks=list(healers) if replica_rank in sources and healers else [],
     )
 
 

@@ -41,6 +41,7 @@ from rallypoint._net.tls import TlsConfig, add_port, check_server, tls_config
 from rallypoint._net.addr import is_loopback, split_host_port
 from rallypoint.lighthouse.client import LighthouseClient, LivenessStream, Quorum
 from rallypoint.manager.client import result_to_pb
+from rallypoint.manager.client import stripe_metadata
 from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
 from rallypoint.manager._votes import RANK_KEY_HEADER, CommitVotes, claim_rank, new_future, new_rank_key
 
@@ -283,6 +284,9 @@ class ManagerServer:
             result = await self._join_quorum(req, context.time_remaining())
         except _Failure as f:
             await context.abort(f.code, f.message)
+        stripe = stripe_metadata(result)
+        if stripe is not None:
+            context.set_trailing_metadata(stripe)
         return result_to_pb(result)
 
     async def _join_quorum(self, req: pb.ManagerQuorumRequest, remaining: float | None) -> QuorumResult:

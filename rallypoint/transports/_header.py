@@ -9,6 +9,7 @@ before any tensor is allocated.
 
 from __future__ import annotations
 
+import bisect
 import json
 import struct
 import zlib
@@ -32,6 +33,9 @@ DEFAULT_MAX_HEADER_BYTES = 64 << 20
 #: Smallest checksum block a network receiver accepts: every block costs a checksum and a
 #: bookkeeping entry, so a tiny block would let a small header cost much memory.
 MIN_NETWORK_BLOCK = 4096
+#: An inline checksum: the CRC-32 of the piece before it, unsigned little-endian.
+SUM = struct.Struct("<I")
+SUM_BYTES = SUM.size
 #: Deepest container nesting accepted, both ways (guards recursion and cyclic inputs).
 MAX_DEPTH = 200
 _SCALARS = (int, float, str, bool, type(None))
@@ -91,8 +95,27 @@ class Header:
     data_bytes: int
     block: int
     extra: dict[str, Any]
-    #: (data start, length, tensor index, start within the tensor, crc), by data start
+    #: (data start, length, tensor index, start within the tensor, crc), by data start;
+    #: crc is -1 when the checksums travel inline
     pieces: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    #: ``"sums": "inline"``: no checksums here; each piece of the data is followed on the
+    #: wire by its CRC-32 (4 bytes, little-endian), computed by the sender as it sends
+    inline: bool = False
+
+    def wire_bytes(self, start: int, end: int) -> int:
+        """Bytes on the wire for data bytes ``[start, end)`` (piece-aligned): the data, plus
+        4 per piece when the checksums travel inline."""
+        if not self.inline or start >= end:
+            return end - start
+        return end - start + SUM_BYTES * self.pieces_in(start, end)
+
+    def pieces_in(self, start: int, end: int) -> int:
+        """How many pieces start in data bytes ``[start, end)``."""
+        if self._starts is None:
+            self._starts = [p[0] for p in self.pieces]
+        return bisect.bisect_left(self._starts, end) - bisect.bisect_left(self._starts, start)
+
+    _starts: list[int] | None = field(default=None, init=False, repr=False)
 
     def split(self, parts: int, max_bytes: int | None = None) -> list[tuple[int, int]]:
         """Cut the data region into about ``parts`` ranges (each at most ``max_bytes`` when
@@ -145,6 +168,10 @@ def parse_header(raw: bytes | bytearray | memoryview, min_block: int = 1, max_da
     if max_data_bytes is not None and data_bytes > max_data_bytes:
         raise WireError(f"the state is {data_bytes} bytes, over this receiver's limit of {max_data_bytes} bytes "
                         "(max_state_bytes / RALLYPOINT_MAX_STATE_BYTES)")
+    sums = doc.get("sums", "header")
+    if sums not in ("header", "inline"):
+        raise _bad(f"sums must be 'header' or 'inline', got {sums!r}")
+    inline = sums == "inline"
     specs = doc["tensors"]
     paths: dict[int, tuple[Any, ...]] = {}
     tree = doc.get("tree")
@@ -176,8 +203,11 @@ def parse_header(raw: bytes | bytearray | memoryview, min_block: int = 1, max_da
         if type(s.get("offset")) is not int or s["offset"] != offset:
             key = key_str(paths[i])
             raise WireError(f"{key}: offset {s.get('offset')} disagrees with the sizes before it ({offset})", key=key)
-        crcs = s.get("crc32")
-        if not isinstance(crcs, list) or len(crcs) != -(-nbytes // block):
+        crcs: Any = s.get("crc32", [] if inline else None)
+        if inline and crcs != []:
+            key = key_str(paths[i])
+            raise WireError(f"{key}: checksums in the header of an inline-checksum stream", key=key)
+        if not isinstance(crcs, list) or (not inline and len(crcs) != -(-nbytes // block)):
             key = key_str(paths[i])
             raise WireError(f"{key}: expected {-(-nbytes // block)} checksums", key=key)
         for c in crcs:
@@ -186,16 +216,16 @@ def parse_header(raw: bytes | bytearray | memoryview, min_block: int = 1, max_da
         dmeta = s.get("dtensor")
         if dmeta is not None and not isinstance(dmeta, dict):
             raise _bad("dtensor must be an object or null", key_str(paths[i]))
-        for j, c in enumerate(crcs):
+        for j in range(-(-nbytes // block)):
             st = j * block
-            pieces.append((offset + st, min(block, nbytes - st), i, st, c))
+            pieces.append((offset + st, min(block, nbytes - st), i, st, -1 if inline else crcs[j]))
         tensors.append(
             TensorSpec(i, paths[i], dtype, shape_t, offset, nbytes, tuple(crcs), s.get("param") is True, dmeta)
         )
         offset += nbytes
     if offset != data_bytes:
         raise WireError(f"invalid header: data_bytes {data_bytes} but the tensors add up to {offset}")
-    return Header(tree, tensors, data_bytes, block, extra, pieces)
+    return Header(tree, tensors, data_bytes, block, extra, pieces, inline)
 
 
 def _check_tree(node: Any, path: tuple[Any, ...], depth: int, paths: dict[int, tuple[Any, ...]], n: int) -> None:

@@ -46,6 +46,7 @@ class _Served:
     withdrawn: bool = False  # disallow_checkpoint began: no new stream may start
     aborted: bool = False  # streams still running after the wait must stop
     active: int = 0
+    expiry: threading.Timer | None = None  # withdraws a frozen live state after the timeout
     done: threading.Condition = field(default_factory=threading.Condition)
 
 
@@ -305,7 +306,8 @@ class CheckpointServer:
         deadline = time.monotonic() + timeout
         self._acceptor.join(max(0.0, deadline - time.monotonic()))
         for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(RuntimeError):  # accepted just now: not started yet
+                t.join(max(0.0, deadline - time.monotonic()))
         for c in conns:
             with contextlib.suppress(OSError):
                 c.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING
 
-from rallypoint.transports._header import ReadInto, WireError, read_exact
+from rallypoint.transports._header import SUM, SUM_BYTES, ReadInto, WireError, read_exact
 
 if TYPE_CHECKING:
     from rallypoint.transports.wire import Sink
@@ -25,8 +25,9 @@ class RangeWriter:
 
     Either pull (:meth:`pull`, ``readinto`` straight into the tensors: no copy) or push
     (:meth:`write`, for clients that hand out ``bytes`` chunks: one copy into the tensor).
-    Each piece is verified as soon as it is complete. A failed range may be retried with a
-    new writer for the same range.
+    Each piece is verified as soon as it is complete: against the header's checksum, or,
+    in an inline-checksum stream, against the 4 bytes that follow the piece on the wire.
+    A failed range may be retried with a new writer for the same range.
     """
 
     def __init__(self, sink: Sink, start: int, end: int) -> None:
@@ -44,8 +45,13 @@ class RangeWriter:
         ):
             raise ValueError(f"range [{start}, {end}) is not aligned to checksum blocks")
         self.sink, self.start, self.end = sink, start, end
+        self._inline = h.inline
         self._pi = self._first
         self._fill = 0  # bytes already written into piece _pi
+        self._sum = bytearray(SUM_BYTES)  # the inline checksum of piece _pi, once its data is in
+        self._sum_fill = -1  # bytes of it read so far; -1: still reading the piece's data
+        #: bytes still expected on the wire for this range (data, plus inline checksums)
+        self.wire_left = h.wire_bytes(start, end)
 
     def _piece(self, pi: int) -> memoryview:
         _, ln, ti, st, _ = self.sink.header.pieces[pi]
@@ -57,27 +63,49 @@ class RangeWriter:
         """Key of the tensor being written (for messages only: building it costs)."""
         return self.sink.header.tensors[self.sink.header.pieces[self._pi][2]].key
 
+    def _truncated(self) -> WireError:
+        key = self._key()
+        return WireError(f"stream truncated inside tensor {key}", key=key, target_modified=self.sink.target_touched)
+
+    def _piece_done(self) -> None:
+        """Piece ``_pi``'s data is in: verify it now, or wait for its inline checksum."""
+        if self._inline:
+            self._sum_fill = 0
+            return
+        self._fill = 0
+        self.sink._verify(self._pi)
+        self._pi += 1
+
+    def _sum_done(self) -> None:
+        self.sink._verify(self._pi, SUM.unpack(self._sum)[0])
+        self._fill, self._sum_fill = 0, -1
+        self._pi += 1
+
     def pull(self, readinto: ReadInto) -> None:
         """Read the whole range from ``readinto`` directly into the destination tensors.
 
         Pieces of at least COALESCE_BELOW bytes are read in place (no copy); runs of
-        smaller ones are read a scratch buffer at a time and copied, so 4,000 tiny
-        tensors cost a few reads instead of 4,000 system calls.
+        smaller ones (and inline checksums) are read a scratch buffer at a time and
+        copied, so 4,000 tiny tensors cost a few reads instead of 4,000 system calls.
         """
         scratch: memoryview | None = None
-        pieces = self.sink.header.pieces
+        sum_view = memoryview(self._sum)
         while self._pi < self._last:
+            if self._sum_fill >= 0:  # the checksum after a big piece: 4 bytes, read exactly
+                try:
+                    read_exact(readinto, sum_view[self._sum_fill :], "a checksum")
+                except WireError:
+                    raise self._truncated() from None
+                self.wire_left -= SUM_BYTES - self._sum_fill
+                self._sum_done()
+                continue
             view = self._piece(self._pi)
             if view.nbytes - self._fill < COALESCE_BELOW:
                 if scratch is None:
                     scratch = memoryview(bytearray(SCRATCH_BYTES))
-                want = min(SCRATCH_BYTES, self.end - (pieces[self._pi][0] + self._fill))
-                n = readinto(scratch[:want])
+                n = readinto(scratch[: min(SCRATCH_BYTES, self.wire_left)])
                 if not n:
-                    key = self._key()
-                    raise WireError(
-                        f"stream truncated inside tensor {key}", key=key, target_modified=self.sink.target_touched
-                    )
+                    raise self._truncated()
                 self.write(scratch[:n])
                 continue
             try:
@@ -86,26 +114,33 @@ class RangeWriter:
                 key = self._key()
                 msg = str(exc).replace("a tensor", f"tensor {key}")
                 raise WireError(msg, key=key, target_modified=self.sink.target_touched) from None
-            self._fill = 0
-            self.sink._verify(self._pi)
-            self._pi += 1
+            self.wire_left -= view.nbytes - self._fill
+            self._fill = view.nbytes
+            self._piece_done()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Copy ``data`` (the next bytes of the range) into place."""
+        """Copy ``data`` (the next bytes of the range on the wire) into place."""
         mv = memoryview(data).cast("B")
         pos = 0
         while pos < mv.nbytes:
             if self._pi >= self._last:
                 raise WireError(f"{mv.nbytes - pos} bytes more than the range [{self.start}, {self.end}) holds")
+            if self._sum_fill >= 0:
+                n = min(SUM_BYTES - self._sum_fill, mv.nbytes - pos)
+                self._sum[self._sum_fill : self._sum_fill + n] = mv[pos : pos + n]
+                self._sum_fill += n
+                pos += n
+                if self._sum_fill == SUM_BYTES:
+                    self._sum_done()
+                continue
             view = self._piece(self._pi)
             n = min(view.nbytes - self._fill, mv.nbytes - pos)
             view[self._fill : self._fill + n] = mv[pos : pos + n]
             self._fill += n
             pos += n
             if self._fill == view.nbytes:
-                self._fill = 0
-                self.sink._verify(self._pi)
-                self._pi += 1
+                self._piece_done()
+        self.wire_left -= mv.nbytes
 
     def close(self) -> None:
         """Raise :class:`WireError` (naming the key) unless the whole range arrived."""

@@ -32,8 +32,12 @@ class CheckpointTransportLike(Protocol[T]):
     manager's calls. Our :class:`HTTPTransport` and :class:`PGTransport` satisfy it
     (checked by mypy at the end of this module).
 
-    Optional, read with ``getattr``: ``copies_state`` (True when ``send_checkpoint``
-    copies the state or finishes before returning, so the manager need not copy it).
+    Optional, read with ``getattr``: ``copies_state`` (True when the transport guards
+    the served state itself: it copies it, finishes before returning, or freezes it
+    before it changes, so the manager need not copy it); ``serve_mode == "live"`` (the
+    served state is frozen by ``disallow_checkpoint``), ``freeze_checkpoint()`` (keep
+    serving, but make the served state independent of the caller's: the manager calls
+    it instead of ``disallow_checkpoint`` after serving on the training thread).
     ``recv_checkpoint`` is passed ``into=`` / ``mesh=`` only when the manager heals on
     the training thread (FSDP); a transport used there must accept them.
     """

@@ -1,51 +1,51 @@
 """HTTPTransport: serve a state dict over HTTP in the safe wire format, fetch it in parallel.
 
 Sender: a small threaded HTTP/1.1 server (:mod:`._http_serve`; one thread per connection,
-no web framework to import). ``send_checkpoint`` encodes the state dict once (checksums
-computed, device or non-contiguous tensors copied to contiguous host memory; contiguous CPU
-tensors are *not* copied) and serves exactly that step until ``disallow_checkpoint``. Routes::
+no web framework to import). ``send_checkpoint`` returns at once: nothing is copied and
+nothing is checksummed up front. By default (``serve="live"``) the caller's own tensors
+are served and frozen just before they change (:mod:`._live`: ``disallow_checkpoint``,
+which the Manager calls in ``should_commit``, and any optimizer step copy whatever is not
+yet delivered); ``serve="copy"`` serves a copy taken at ``send_checkpoint``. Each
+checksum block's CRC-32 is computed on the connection's thread as the block is sent, and
+follows it on the wire (``"sums": "inline"``). Routes::
 
     GET /checkpoint/{step}/header               prefix + JSON header (wire.py)
-    GET /checkpoint/{step}/data?start=S&end=E   data bytes [S, E), cut at checksum blocks
+    GET /checkpoint/{step}/data?start=S&end=E   data bytes [S, E) with their inline sums,
+                                                cut at checksum blocks
     GET /checkpoint/{step}/full                 the whole wire stream (one connection)
 
 Bodies are written with ``sendall`` straight from memoryviews of the tensors (no copy in
 Python; over TLS each connection's thread encrypts its own range). An older step than
 the served one gets 409 naming it; nothing served, or only an older step, gets 404 (a
 receiver asks again: the sender may not have published yet), and a step that was served
-and withdrawn gets 410 (it will not come back); a wrong or missing bearer token gets 401
-before anything else; a parameter that is not an integer gets 422.
+and withdrawn (delivered, replaced, expired, or changed while served) gets 410 saying
+why (it will not come back); a wrong or missing bearer token gets 401 before anything
+else; a parameter that is not an integer gets 422.
 
-Receiver: httpx, imported at the first receive (not at import: a Manager constructs a
-transport to serve, and most never fetch; httpx costs a cold start tens of ms). It reads
-the header, allocates the destination tensors (wire.Sink: fresh ones, or the caller's own
-with ``into=``), splits the data into ``num_chunks`` or more ranges and fetches them over
-that many connections at once; each range is verified as it arrives and retried (up to
-``retries`` times) when it fails. Any failure that survives the retries, and any deadline
-overrun, is a :class:`TransferError` and leaves the caller's state as
-:mod:`rallypoint.transports.wire` describes (untouched unless ``in_place=True``), so the
-caller can retry against another source.
-
-Receive fast path: httpx parses a body 64 KiB at a time in Python and hands out ``bytes``
-(one more copy). The status and headers still go through httpx, then the body is read
-with ``recv_into`` straight into the destination tensors from the socket under the
-response (httpcore's ``network_stream`` extension; over TLS the ``ssl.SSLSocket``, which
-decrypts into them); that connection is then closed rather than reused. Where the
-extension is missing, the plain ``iter_raw`` path is used.
+Receiver (:mod:`._http_recv`): httpx, imported at the first receive (not at import: a
+Manager constructs a transport to serve, and most never fetch; httpx costs a cold start
+tens of ms). It reads the header, allocates the destination tensors (wire.Sink: fresh
+ones, or the caller's own with ``into=``), and fetches the data in ranges over
+``num_chunks`` connections per source, straight into the tensors with ``recv_into``,
+each range verified as it arrives and retried when it fails. ``metadata`` may list
+several sources (comma-separated): the receive is then striped over all of them, and a
+source that fails is dropped and its ranges fetched from the others. Any failure that
+survives the retries, and any deadline overrun, is a :class:`TransferError` and leaves
+the caller's state as :mod:`rallypoint.transports.wire` describes (untouched unless
+``in_place=True``), so the caller can retry against another source.
 
 TLS (``rallypoint._net.tls``): the server serves it when the job has a certificate
 (``RALLYPOINT_TLS_CERT/KEY``) and then advertises ``https://``; a receiver verifies the
 source against ``RALLYPOINT_TLS_CA`` and presents the job's certificate for mutual TLS.
 
-Memory: the sender holds no copy of contiguous CPU tensors (device or non-contiguous ones
-are copied once, at ``send_checkpoint``); the receiver holds the state once (fresh
+Memory: the live sender holds no copy of contiguous CPU tensors of 1 MiB or more until it
+freezes, and then only of what is not yet delivered (device, non-contiguous and smaller
+tensors are copied once, at ``send_checkpoint``); the receiver holds the state once (fresh
 tensors) plus, with ``into=`` and ``in_place=False``, the target until the copy.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import io
 import logging
 import socket
 import ssl
@@ -53,28 +53,22 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rallypoint._net.auth import bearer_matches, job_token
 from rallypoint._net.addr import is_loopback
-from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES
 from rallypoint._net.tls import TlsConfig, check_server, client_ssl_context, server_ssl_context, tls_config
 from rallypoint.transports import wire
+from rallypoint.transports._http_recv import Receive
+from rallypoint.transports._live import COPY_BELOW, LiveEncoded
 from rallypoint.transports._http_serve import CheckpointServer, Reply, Request, _Served, int_param, to_int
-from rallypoint.transports._http_util import (
+from rallypoint.transports._http_util import (  # noqa: F401 - re-exported
     SourceRefused,
     TransferError,
     TransferTimeout,
-    _check_status,
-    _Fatal,
-    _plain_socket,
-    _timeout,
     default_max_state_bytes,
 )
 from rallypoint.transports.base import CheckpointTransport
-
-if TYPE_CHECKING:
-    import httpx
 
 logger = logging.getLogger("rallypoint.transports.http")
 
@@ -86,7 +80,8 @@ class HTTPTransport(CheckpointTransport[Any]):
     """Checkpoint transport over HTTP; ``HTTPTransport(timeout, num_chunks)`` as in torchft.
 
     Args:
-        timeout: default for network calls and for ``disallow_checkpoint``'s wait.
+        timeout: default for network calls, for ``disallow_checkpoint``'s wait (copy),
+            and for how long a frozen state stays served (live).
         num_chunks: parallel connections per receive (0 or 1: one connection).
         bind: ``host:port`` to listen on (port 0: any free port).
         advertise_host: host name put in :meth:`metadata` (default: the bound address, or
@@ -103,6 +98,13 @@ class HTTPTransport(CheckpointTransport[Any]):
             Sender and receiver learn of a heal at the same moment, and the sender
             publishes only when its training thread reaches a safe point, so a receiver
             may arrive first. ``timedelta(0)``: refuse at the first 404.
+        serve: ``"live"`` (default): serve the caller's tensors, frozen before they
+            change (see :mod:`rallypoint.transports._live`); ``"copy"``: serve a copy
+            taken at ``send_checkpoint`` (memory and time for a copy of the state, but
+            any change of the caller's state at any time is safe).
+        copy_below: live serving copies tensors smaller than this at ``send_checkpoint``
+            (what forward changes, like BatchNorm statistics, is small).
+        copy_on_send: the older spelling: True is ``serve="copy"``, False ``"live"``.
     """
 
     #: A connection must finish its TLS handshake and each request head within this.
@@ -123,17 +125,29 @@ class HTTPTransport(CheckpointTransport[Any]):
         block: int = wire.DEFAULT_BLOCK,
         max_header_bytes: int = wire.DEFAULT_MAX_HEADER_BYTES,
         publish_wait: timedelta | None = None,
-        copy_on_send: bool = True,
+        copy_on_send: bool | None = None,
         max_state_bytes: int | None = None,
         tls: TlsConfig | None = None,
+        serve: str | None = None,
+        copy_below: int = COPY_BELOW,
     ) -> None:
         if block < wire.MIN_NETWORK_BLOCK:
             raise ValueError(f"block={block} is below the {wire.MIN_NETWORK_BLOCK}-byte minimum receivers accept")
         self._max_state = max_state_bytes if max_state_bytes is not None else default_max_state_bytes()
         self._timeout = timeout
-        #: ``send_checkpoint`` serves a copy (the caller may change its state at once);
-        #: off: contiguous CPU tensors are served from their own memory (no extra RAM).
-        self.copies_state = bool(copy_on_send)
+        if serve is None:
+            serve = "copy" if copy_on_send else "live"
+        if serve not in ("live", "copy"):
+            raise ValueError(f"serve must be 'live' or 'copy', not {serve!r}")
+        #: "live": serve the caller's tensors, frozen before they change (see _live.py);
+        #: "copy": serve a copy taken at send_checkpoint.
+        self.serve_mode = serve
+        self._copy_below = copy_below
+        #: A receive can be striped over several sources (``metadata`` lists them).
+        self.stripes = True
+        #: The served state is guarded by the transport itself (a copy, or live tensors
+        #: frozen before the optimizer changes them): the Manager passes its own state.
+        self.copies_state = True
         self._publish_wait = None if publish_wait is None else publish_wait.total_seconds()
         self._num_chunks = max(1, int(num_chunks))
         self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN (the job's credential)
@@ -170,6 +184,9 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     def _lookup(self, step: int) -> _Served | Reply:
         served = self._served
+        spoiled = getattr(served.enc, "spoiled", None) if served is not None else None
+        if served is not None and spoiled is not None and served.step == step:
+            return Reply(410, f"the checkpoint of step {step} is withdrawn: {spoiled}")
         if served is None and self._withdrawn is not None and step <= self._withdrawn:
             return Reply(
                 410,
@@ -198,13 +215,21 @@ class HTTPTransport(CheckpointTransport[Any]):
             return Reply(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
                          {"www-authenticate": "Bearer"})
         parts = request.parts
-        if len(parts) != 3 or parts[0] != "checkpoint" or parts[2] not in ("header", "data", "full"):
-            return Reply(404, "not found: the routes are /checkpoint/{step}/header, /data?start=&end= and /full")
+        if len(parts) != 3 or parts[0] != "checkpoint" or parts[2] not in ("header", "data", "full", "done"):
+            return Reply(404, "not found: the routes are /checkpoint/{step}/header, /data?start=&end=, /full and /done")
         step = to_int(parts[1], "the step in the path")
+        if parts[2] == "done":  # a receiver has what it needs from us: the frozen state may go
+            with self._lock:
+                current = self._served
+            if current is not None and current.step == step and isinstance(current.enc, LiveEncoded):
+                current.enc.receiver_done()
+            return Reply(200, "ok")
         served = self._lookup(step)
         if isinstance(served, Reply):
             return served
         enc = served.enc
+        if isinstance(enc, LiveEncoded):
+            enc.started = True
         if parts[2] == "header":
             return Reply(200, served=served, pieces=iter([memoryview(enc.header)]), length=len(enc.header))
         if parts[2] == "full":
@@ -212,7 +237,10 @@ class HTTPTransport(CheckpointTransport[Any]):
         start, end = int_param(request.query, "start"), int_param(request.query, "end")
         if not 0 <= start <= end <= enc.data_bytes:
             return Reply(416, f"range [{start}, {end}) outside the data of {enc.data_bytes} bytes")
-        return Reply(200, served=served, pieces=self._pieces(served, start, end, False), length=end - start)
+        if enc.inline and not enc.aligned(start, end):
+            return Reply(416, f"range [{start}, {end}) is not aligned to the {enc.block}-byte checksum blocks")
+        return Reply(200, served=served, pieces=self._pieces(served, start, end, False),
+                     length=enc.wire_bytes(start, end))
 
     def metadata(self) -> str:
         """The base URL receivers fetch from (the token is not part of it)."""
@@ -223,37 +251,75 @@ class HTTPTransport(CheckpointTransport[Any]):
         return self._port
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
-        """Encode ``state_dict`` and serve it as ``step`` until :meth:`disallow_checkpoint`.
+        """Serve ``state_dict`` as ``step`` until every receiver has it (or ``timeout``
+        after :meth:`disallow_checkpoint`, or the next ``send_checkpoint``).
 
-        Returns once it is served. By default (``copy_on_send``) a copy is served, so the
-        caller may change its state at once: training goes on while a peer fetches (a
-        synchronous quorum's sender keeps stepping through DiLoCo's sync delay; BatchNorm
-        buffers change during forward). With ``copy_on_send=False`` contiguous CPU tensors
-        are served from their own memory and must not change before ``disallow_checkpoint``
-        returns (a change is caught by the receiver's checksums, not silently received).
-        ``timeout`` bounds each piece's send and ``disallow_checkpoint``'s wait for this step.
+        Returns at once: nothing is copied or checksummed up front (checksums are computed
+        as each piece is sent). ``serve="live"`` (the default) serves the caller's tensors
+        and freezes them before they change (:mod:`rallypoint.transports._live`): call
+        :meth:`disallow_checkpoint` before changing the state outside an optimizer step
+        (an optimizer step freezes it on its own). ``serve="copy"`` serves a copy taken
+        here, so the caller may change its state at once. ``dst_ranks``: the receivers
+        expected (the frozen state is dropped once each has every byte). ``timeout``
+        bounds each piece's send and the life of the frozen state.
         """
-        enc = wire.encode(state_dict, block=self._block, extra={"step": step}, copy=self.copies_state)
-        self.disallow_checkpoint()
+        self._withdraw()
+        box: list[_Served] = []
+
+        def delivered() -> None:
+            if box:
+                self._withdraw(box[0], "delivered")
+
+        if self.serve_mode == "copy":
+            enc: wire.Encoded = wire.encode(state_dict, block=self._block, extra={"step": step}, copy=True,
+                                            sums="inline")
+        else:
+            enc = LiveEncoded(
+                wire.encode(state_dict, block=self._block, extra={"step": step}, copy_below=self._copy_below,
+                            sums="inline"),
+                receivers=len(dst_ranks), on_complete=delivered,
+            )
+        served = _Served(step, enc, timeout.total_seconds())
+        box.append(served)
         with self._lock:
-            self._served = _Served(step, enc, timeout.total_seconds())
+            self._served = served
         logger.info(
-            "serving checkpoint of step %d (%d bytes, %d tensors) to ranks %s",
+            "serving checkpoint of step %d (%d bytes, %d tensors, %s) to ranks %s",
             step,
-            enc.stream_bytes,
+            enc.data_bytes,
             len(enc.views),
+            f"{getattr(enc, 'live_bytes', 0)} bytes live" if self.serve_mode == "live" else "a copy",
             list(dst_ranks),
         )
 
     def disallow_checkpoint(self) -> None:
-        """Stop offering the checkpoint; wait (up to the timeout) for streams in flight,
-        then abort those still running, so the state dict may be mutated afterwards."""
+        """The caller is about to change its state (the Manager calls this in
+        ``should_commit``, before the optimizer steps). Live: freeze the served state
+        (copy what is not yet delivered; return once no read of live memory is in
+        flight) and go on serving the frozen state until the receivers have it, for at
+        most the timeout. Copy: stop offering it, waiting (up to the timeout) for the
+        streams in flight, then abort those still running."""
         with self._lock:
-            served, self._served = self._served, None
-            if served is not None:
-                self._withdrawn = served.step
+            served = self._served
         if served is None:
             return
+        enc = served.enc
+        if isinstance(enc, LiveEncoded):
+            if enc.delivered or enc.spoiled is not None or not enc.started:
+                # Nothing to keep: every receiver has it, or none came (a late one is
+                # told it was withdrawn and heals again): no copy.
+                self._withdraw(served, "delivered" if enc.delivered else "spoiled" if enc.spoiled else "not asked for")
+                return
+            enc.freeze(served.timeout)
+            if enc.spoiled is not None:
+                self._withdraw(served, "spoiled")
+            else:
+                self._expire_later(served)
+            return
+        with self._lock:
+            if self._served is served:
+                self._served = None
+                self._withdrawn = served.step
         wait_s = served.timeout
         with served.done:
             served.withdrawn = True
@@ -268,12 +334,51 @@ class HTTPTransport(CheckpointTransport[Any]):
                 served.done.wait_for(lambda: served.active == 0, timeout=5.0)
         logger.info("stopped serving checkpoint of step %d", served.step)
 
+    def freeze_checkpoint(self) -> None:
+        """The caller is about to change its state, but a receiver may not have asked yet
+        (the Manager serves on the training thread right before its vote): live, copy
+        what is not yet delivered and go on serving it (for at most the timeout); copy,
+        nothing to do."""
+        with self._lock:
+            served = self._served
+        if served is None or not isinstance(served.enc, LiveEncoded):
+            return
+        served.enc.freeze(served.timeout)
+        self._expire_later(served)
+
+    def _expire_later(self, served: _Served) -> None:
+        if served.enc.delivered if isinstance(served.enc, LiveEncoded) else False:
+            self._withdraw(served, "delivered")
+        elif served.expiry is None:
+            served.expiry = threading.Timer(served.timeout, self._withdraw, args=(served, "timed out"))
+            served.expiry.daemon = True
+            served.expiry.start()
+
+    def _withdraw(self, served: _Served | None = None, why: str = "replaced") -> bool:
+        """Stop offering ``served`` (default: whatever is on offer) at once: streams in
+        flight stop at their next piece; a live state is frozen first, so no byte of the
+        caller's memory is read after this returns."""
+        with self._lock:
+            if served is None:
+                served = self._served
+            if served is None or served.withdrawn:
+                return False
+            served.withdrawn = True
+            if self._served is served:
+                self._served = None
+                self._withdrawn = served.step
+        if served.expiry is not None:
+            served.expiry.cancel()
+        if isinstance(served.enc, LiveEncoded):
+            served.enc.freeze(served.timeout, keep=False)
+        if why != "delivered":
+            served.aborted = True
+        logger.info("stopped serving checkpoint of step %d (%s)", served.step, why)
+        return True
+
     def shutdown(self, wait: bool = True) -> None:
         """Stop serving: close the port and every connection (threads joined up to 10 s when ``wait``)."""
-        with self._lock:
-            served, self._served = self._served, None
-        if served is not None:
-            served.aborted = True
+        self._withdraw(why="shutting down")
         self._server.stop(timeout=10.0 if wait else 0.0)
 
     # ------------------------------------------------------------------ receiving side
@@ -289,85 +394,15 @@ class HTTPTransport(CheckpointTransport[Any]):
         in_place: bool = False,
         mesh: Any = None,
     ) -> Any:
-        """Fetch the checkpoint of ``step`` from ``metadata`` (a base URL).
+        """Fetch the checkpoint of ``step`` from ``metadata``: a base URL, or several,
+        comma-separated, to stripe the receive over (the first is the assigned source;
+        see :mod:`rallypoint.transports._http_recv`).
 
         ``into``/``in_place``/``mesh`` as in :class:`rallypoint.transports.wire.Sink`.
         Raises :class:`TransferError` (or :class:`TransferTimeout`) naming the source.
         """
-        import httpx  # here, not at import (see the module docstring)
-
-        base = metadata.rstrip("/")
         deadline = time.monotonic() + timeout.total_seconds()
-        if len(base) > MAX_CHECKPOINT_METADATA_BYTES or not base.lower().startswith(("http://", "https://")):
-            raise TransferError(f"rank {src_rank}'s checkpoint address {base[:200]!r} is not an http(s) URL: "
-                                "refusing to fetch from it")
-        where = f"checkpoint of step {step} from rank {src_rank} at {base}"
-        headers = {"authorization": f"Bearer {self._token}"} if self._token is not None else {}
-        limits = httpx.Limits(max_connections=self._num_chunks, max_keepalive_connections=self._num_chunks)
-        # No TLS context for plain http: loading the CA bundle costs ~50 ms of a cold receive.
-        try:
-            verify: ssl.SSLContext | bool = self._ssl() if self._tls.client_tls(base) else False
-        except ValueError as exc:  # TLS required and the source is clear text
-            raise TransferError(f"{where}: {exc}") from exc
-        if verify is not False and base.startswith("http://"):
-            base = "https://" + base[len("http://"):]
-        with httpx.Client(headers=headers, limits=limits, timeout=_timeout(deadline), verify=verify) as client:
-            try:
-                raw = self._await_header(client, f"{base}/checkpoint/{step}/header", deadline, where)
-                header = wire.read_header(io.BytesIO(raw).readinto, self._max_header, wire.MIN_NETWORK_BLOCK,
-                                          self._max_state)
-            except httpx.TimeoutException as exc:
-                raise TransferTimeout(f"{where}: no header within the timeout ({exc})") from exc
-            except httpx.HTTPError as exc:
-                raise TransferError(f"{where}: {type(exc).__name__}: {exc}") from exc
-            except wire.WireError as exc:
-                raise TransferError(f"{where}: bad header: {exc}") from exc
-            if header.extra.get("step") != step:
-                raise TransferError(f"{where}: the header is for step {header.extra.get('step')!r}")
-            try:
-                sink = wire.Sink(header, into=into, in_place=in_place, mesh=mesh)
-            except wire.WireError as exc:
-                raise TransferError(f"{where}: {exc}") from exc
-            max_chunk = self._max_chunk
-            if verify is not False:
-                # Over TLS every range is a new connection and a full handshake (the fast
-                # path closes it after the body): no more ranges than connections.
-                max_chunk = max(max_chunk, -(-header.data_bytes // self._num_chunks))
-            ranges = header.split(self._num_chunks, max_chunk)
-            self._fetch_all(client, base, step, sink, ranges, deadline, where)
-        try:
-            return sink.finish()
-        except wire.WireError as exc:  # pragma: no cover - every range was verified
-            raise TransferError(f"{where}: {exc}") from exc
-
-    def _await_header(self, client: httpx.Client, url: str, deadline: float, where: str) -> bytes:
-        """The header, asking again while the source has not published this step yet."""
-        give_up = deadline if self._publish_wait is None else min(deadline, time.monotonic() + self._publish_wait)
-        pause = 0.005
-        while True:
-            try:
-                return self._get_header(client, url, deadline, where)
-            except SourceRefused as exc:
-                if exc.status != 404 or time.monotonic() + pause >= give_up:
-                    if exc.status == 404 and self._publish_wait != 0:
-                        raise TransferTimeout(f"{exc} (still, after waiting for it to be published)") from exc
-                    raise
-                logger.debug("%s: not published yet (HTTP %d); asking again", where, exc.status)
-            time.sleep(pause)  # the source is remote: there is no event to wait on
-            pause = min(pause * 2, 0.02)  # a restarted replica waits on this: keep the lag small
-
-    def _get_header(self, client: httpx.Client, url: str, deadline: float, where: str) -> bytes:
-        """The header bytes, refusing to buffer more than the header size limit."""
-        limit = self._max_header + wire.PREFIX_BYTES
-        with client.stream("GET", url, timeout=_timeout(deadline)) as r:
-            if r.status_code != 200:
-                _check_status(r, where)
-            buf = bytearray()
-            for chunk in r.iter_bytes():
-                buf += chunk
-                if len(buf) > limit:
-                    raise TransferError(f"{where}: header larger than the limit of {self._max_header} bytes")
-            return bytes(buf)
+        return Receive(self, src_rank, metadata, step, deadline).run(into, in_place, mesh)
 
     def _ssl(self) -> ssl.SSLContext:
         """One TLS context per transport (only used for TLS sources): building one per
@@ -377,124 +412,3 @@ class HTTPTransport(CheckpointTransport[Any]):
             if self._ssl_ctx is None:
                 self._ssl_ctx = client_ssl_context(self._tls)
             return self._ssl_ctx
-
-    def _fetch_all(
-        self,
-        client: httpx.Client,
-        base: str,
-        step: int,
-        sink: wire.Sink,
-        ranges: list[tuple[int, int]],
-        deadline: float,
-        where: str,
-    ) -> None:
-        import httpx
-
-        stop = threading.Event()
-
-        def fetch(rng: tuple[int, int]) -> None:
-            last: Exception | None = None
-            for attempt in range(self._retries + 1):
-                if stop.is_set():
-                    return
-                try:
-                    self._fetch_range(client, base, step, sink, rng, deadline, stop)
-                    return
-                except _Fatal:
-                    raise
-                except (httpx.HTTPError, wire.WireError) as exc:
-                    last = exc
-                    if time.monotonic() >= deadline:
-                        break
-                    logger.warning("%s: range %s attempt %d failed: %s", where, rng, attempt + 1, exc)
-            assert last is not None
-            raise last
-
-        ex = cf.ThreadPoolExecutor(max(1, min(self._num_chunks, len(ranges))), thread_name_prefix="rp-http-recv")
-        futures = [ex.submit(fetch, r) for r in ranges]
-        try:
-            done, pending = cf.wait(
-                futures, timeout=max(0.0, deadline - time.monotonic()), return_when=cf.FIRST_EXCEPTION
-            )
-            failed = [f for f in done if f.exception() is not None]
-            if failed:
-                exc = failed[0].exception()
-                if isinstance(exc, TransferError):
-                    raise exc
-                if isinstance(exc, httpx.TimeoutException):
-                    raise TransferTimeout(f"{where}: timed out: {exc}") from exc
-                raise TransferError(f"{where}: {type(exc).__name__}: {exc}") from exc
-            if pending:
-                raise TransferTimeout(f"{where}: not complete within the timeout")
-        finally:
-            stop.set()
-            # Workers notice ``stop`` at their next chunk and every read has a deadline, so
-            # they end by then anyway; wait a moment so none writes after we return.
-            ex.shutdown(wait=False, cancel_futures=True)
-            cf.wait(futures, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-
-    def _fetch_range(
-        self,
-        client: httpx.Client,
-        base: str,
-        step: int,
-        sink: wire.Sink,
-        rng: tuple[int, int],
-        deadline: float,
-        stop: threading.Event,
-    ) -> None:
-        import httpx
-
-        start, end = rng
-        url = f"{base}/checkpoint/{step}/data"
-        with client.stream("GET", url, params={"start": start, "end": end}, timeout=_timeout(deadline)) as r:
-            if r.status_code != 200:
-                _check_status(r, f"range [{start}, {end})")
-            length = int(r.headers.get("content-length", -1))
-            if length != end - start:
-                raise wire.WireError(f"range [{start}, {end}): the source announced {length} bytes")
-            w = sink.writer(start, end)
-            sock = _plain_socket(r)
-            chunks = r.iter_raw()
-            if sock is None:
-                for chunk in chunks:
-                    if stop.is_set():
-                        return
-                    w.write(chunk)
-                w.close()
-                return
-            # Fast path: take what httpx already buffered, then recv_into the tensors
-            # directly (no per-64 KiB Python parsing, no intermediate bytes). The
-            # connection's HTTP state no longer matches its socket, so httpx closes it
-            # instead of reusing it (it never saw the end of this body).
-            first = next(chunks, b"")
-            w.write(first)
-            left = end - start - len(first)
-
-            timeout_set = float("inf")
-
-            def readinto(mv: memoryview) -> int:
-                nonlocal left, timeout_set
-                if stop.is_set() or left <= 0:
-                    return 0
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise httpx.ReadTimeout(f"range [{start}, {end}) not complete by the deadline")
-                if timeout_set - remaining > 0.25:
-                    # Not per read: over TLS a read is one 16 KiB record, and each
-                    # settimeout costs syscalls. A read may overrun the deadline by 0.25 s.
-                    sock.settimeout(remaining)
-                    timeout_set = remaining
-                try:
-                    n = sock.recv_into(mv, min(mv.nbytes, left))
-                except TimeoutError as exc:
-                    raise httpx.ReadTimeout(f"range [{start}, {end}): {exc}") from exc
-                except OSError as exc:
-                    raise httpx.ReadError(f"range [{start}, {end}): {exc}") from exc
-                left -= n
-                return n
-
-            w.pull(readinto)
-            if stop.is_set():
-                return
-            w.close()

@@ -31,10 +31,19 @@ Header (``version`` 1)::
                                     ``_metadata`` (module state-dict versions)
          | {"l": [NODE, ...]}  list | {"u": [NODE, ...]} tuple | {"s": [int, ...]} torch.Size
 
-``crc32`` holds one zlib CRC-32 per ``block`` bytes of the tensor (the last one shorter),
-so a transport that fetches byte ranges in parallel (cut at those boundaries, see
-:meth:`Header.split`) verifies and retries each range on its own, and an error names the
-tensor's key and byte range.
+``crc32`` holds one CRC-32 (zlib's) per ``block`` bytes of the tensor (the last one
+shorter), so a transport that fetches byte ranges in parallel (cut at those boundaries,
+see :meth:`Header.split`) verifies and retries each range on its own, and an error names
+the tensor's key and byte range.
+
+Inline checksums (``"sums": "inline"`` in the header, no ``crc32`` lists): every checksum
+block (a "piece") in the data region is followed by its CRC-32, 4 bytes little-endian::
+
+    D' bytes  piece 0, sum 0, piece 1, sum 1, ...   (D + 4 x pieces)
+
+The sender sums each piece as it sends it, so serving needs no pass over the whole state
+first (what the HTTP transport does: :mod:`rallypoint.transports._live`); a byte range
+``[S, E)`` of the data (piece-aligned) travels as its pieces with their sums.
 
 Receiving (see :class:`Sink`): tensor bytes are read straight into tensors, so receiving
 N bytes of state needs ~N bytes, never a second staging copy of the whole stream:
@@ -67,21 +76,16 @@ Not preserved: storage sharing between entries (tied weights arrive as two tenso
 
 from __future__ import annotations
 
-import bisect
-import concurrent.futures as cf
-import os
 import io
-import json
 import logging
 import threading
-import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from rallypoint.transports import _tensors as T
+from rallypoint.transports._crc import crc32
 from rallypoint.transports._header import (  # noqa: F401 - re-exported: wire is the public face
     _PREFIX,
     _SCALARS,
@@ -92,6 +96,8 @@ from rallypoint.transports._header import (  # noqa: F401 - re-exported: wire is
     MAGIC,
     MAX_DEPTH,
     PREFIX_BYTES,
+    SUM,
+    SUM_BYTES,
     VERSION,
     Header,
     ReadInto,
@@ -105,8 +111,6 @@ from rallypoint.transports._header import (  # noqa: F401 - re-exported: wire is
 
 logger = logging.getLogger("rallypoint.transports.wire")
 
-#: From this many bytes on, encoding computes checksums on several threads.
-PARALLEL_CRC_BYTES = 64 << 20
 #: Tensors (or remainders) smaller than this are batched: sent as one coalesced piece,
 #: and read through a scratch buffer of SCRATCH_BYTES instead of one read each.
 from rallypoint.transports._range_writer import COALESCE_BELOW, SCRATCH_BYTES  # noqa: E402
@@ -117,202 +121,7 @@ from rallypoint.transports._range_writer import COALESCE_BELOW, SCRATCH_BYTES  #
 
 # --------------------------------------------------------------------------- encoding
 
-
-class Encoded:
-    """An encoded state dict: the header bytes plus zero-copy views of every tensor's bytes.
-
-    Keeps the (possibly copied) tensors alive, so the views stay valid while this object
-    lives. A transport can stream it many times (several receivers, retried ranges).
-    """
-
-    def __init__(self, header: bytes, tensors: list[torch.Tensor], views: list[memoryview]) -> None:
-        self.header = header  #: prefix + JSON header, ready to send
-        self._tensors = tensors
-        self.views = views
-        self.starts: list[int] = []
-        pos = 0
-        for v in views:
-            self.starts.append(pos)
-            pos += v.nbytes
-        self.data_bytes = pos
-
-    def tensor(self, i: int) -> torch.Tensor:
-        """The i-th tensor as encoded (contiguous, on the host), kept alive by this object."""
-        return self._tensors[i]
-
-    @property
-    def stream_bytes(self) -> int:
-        return len(self.header) + self.data_bytes
-
-    def iter_data(self, start: int = 0, end: int | None = None, piece: int = DEFAULT_BLOCK) -> Iterator[memoryview]:
-        """Views covering data bytes ``[start, end)``, each at most ``piece`` bytes."""
-        end = self.data_bytes if end is None else end
-        if not 0 <= start <= end <= self.data_bytes:
-            raise ValueError(f"range [{start}, {end}) outside the data region of {self.data_bytes} bytes")
-        i = max(0, bisect.bisect_right(self.starts, start) - 1)
-        pos = start
-        small = bytearray()  # consecutive small tensors travel as one piece (one copy)
-        while pos < end and i < len(self.views):
-            v, s = self.views[i], self.starts[i]
-            lo, hi = pos - s, min(v.nbytes, end - s)
-            if hi - lo < COALESCE_BELOW:
-                small += v[lo:hi]
-                if len(small) >= piece:
-                    yield memoryview(bytes(small))
-                    small.clear()
-            else:
-                if small:
-                    yield memoryview(bytes(small))
-                    small.clear()
-                while lo < hi:
-                    n = min(piece, hi - lo)
-                    yield v[lo : lo + n]
-                    lo += n
-            pos = s + v.nbytes
-            i += 1
-        if small:
-            yield memoryview(bytes(small))
-
-    def iter_stream(self, piece: int = DEFAULT_BLOCK) -> Iterator[memoryview]:
-        """The whole stream: header, then the data."""
-        yield memoryview(self.header)
-        yield from self.iter_data(piece=piece)
-
-    def write_to(self, f: Any) -> None:
-        for v in self.iter_stream():
-            f.write(v)
-
-
-def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any] | None = None,
-           copy: bool = False) -> Encoded:
-    """Encode ``state_dict`` (nested dict/list/tuple of tensors and plain values).
-
-    Non-contiguous or device tensors are copied to contiguous host memory (only the
-    elements they view); contiguous CPU tensors are not copied unless ``copy`` (then the
-    encoding shares no memory with ``state_dict``, which may change while it is served).
-    Raises :class:`WireError` naming the key of a leaf that is not allowed.
-    """
-    if block <= 0:
-        raise ValueError("block must be positive")
-    tensors: list[torch.Tensor] = []
-    views: list[memoryview] = []
-    specs: list[dict[str, Any]] = []
-    offset = 0
-
-    def tensor_node(x: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
-        nonlocal offset
-        key = key_str(path)
-        dmeta = None
-        local = x
-        if T.is_dtensor(x):
-            try:
-                dmeta = T.dtensor_meta(x)
-            except TypeError as exc:
-                raise WireError(f"{key}: {exc}", key=key) from None
-            local = x.to_local()  # type: ignore[attr-defined]  # a DTensor (checked above)
-        elif type(x) not in (torch.Tensor, torch.nn.Parameter):
-            raise WireError(f"{key}: tensor subclass {type(x).__name__} is not supported", key=key)
-        if local.layout != torch.strided or local.is_quantized or local.device.type == "meta":
-            raise WireError(f"{key}: only dense tensors are supported (got {local.layout}, {local.device})", key=key)
-        name = T.DTYPE_NAMES.get(local.dtype)
-        if name is None:
-            raise WireError(f"{key}: dtype {local.dtype} is not supported by the wire format", key=key)
-        t = T.sendable(local)
-        if copy and t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-            t = t.clone()
-        view = T.byte_view(t)
-        n = view.nbytes
-        specs.append(
-            {
-                "key": key,
-                "dtype": name,
-                "shape": list(t.shape),
-                "offset": offset,
-                "nbytes": n,
-                "crc32": [],  # filled in below, possibly in parallel
-                "param": bool(isinstance(x, torch.nn.Parameter) and x.requires_grad),
-                "dtensor": dmeta,
-            }
-        )
-        tensors.append(t)
-        views.append(view)
-        offset += n
-        return {"t": len(specs) - 1}
-
-    def walk(x: Any, path: tuple[Any, ...], depth: int, tensors_ok: bool = True) -> dict[str, Any]:
-        if depth > MAX_DEPTH:
-            raise WireError(f"{key_str(path)}: nested deeper than {MAX_DEPTH} levels (a cycle?)", key=key_str(path))
-        if isinstance(x, torch.Tensor) and tensors_ok:
-            return tensor_node(x, path)
-        if type(x) in _SCALARS:
-            return {"v": x}
-        if isinstance(x, dict) and type(x) in (dict, OrderedDict):
-            items = []
-            for k, v in x.items():
-                if type(k) not in _SCALARS:
-                    raise WireError(
-                        f"{key_str(path)}: dict key {k!r} of type {type(k).__name__} is not allowed "
-                        "(str, int, float, bool or None)",
-                        key=key_str(path),
-                    )
-                items.append([k, walk(v, path + (k,), depth + 1, tensors_ok)])
-            node: dict[str, Any] = {"d": items}
-            if type(x) is OrderedDict:
-                node["o"] = True
-            meta = getattr(x, "_metadata", None)
-            if meta is not None:
-                node["m"] = walk(meta, path + ("_metadata",), depth + 1, tensors_ok=False)
-            return node
-        if type(x) is list:
-            return {"l": [walk(v, path + (i,), depth + 1, tensors_ok) for i, v in enumerate(x)]}
-        if type(x) is torch.Size:
-            return {"s": [int(s) for s in x]}
-        if type(x) is tuple:
-            return {"u": [walk(v, path + (i,), depth + 1, tensors_ok) for i, v in enumerate(x)]}
-        raise WireError(
-            f"{key_str(path)}: leaf of type {type(x).__name__} is not allowed (tensors, dict/list/tuple, "
-            "int, float, str, bool, None)",
-            key=key_str(path),
-        )
-
-    tree = walk(state_dict, (), 0)
-    _fill_checksums(specs, views, block)
-    header = {
-        "format": FORMAT,
-        "version": VERSION,
-        "block": block,
-        "data_bytes": offset,
-        "extra": extra or {},
-        "tree": tree,
-        "tensors": specs,
-    }
-    try:
-        raw = json.dumps(header, separators=(",", ":")).encode()
-    except (TypeError, ValueError) as exc:
-        raise WireError(f"header cannot be encoded as JSON: {exc}") from None
-    return Encoded(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw, tensors, views)
-
-
-
-def _fill_checksums(specs: list[dict[str, Any]], views: list[memoryview], block: int) -> None:
-    """One CRC-32 per ``block`` of every tensor. From PARALLEL_CRC_BYTES on, the blocks are
-    spread over a few threads (zlib releases the GIL): a 1 GB state takes ~0.3 s of CRC on
-    one core, and this runs on the sender's step."""
-    jobs = [(i, s) for i, v in enumerate(views) for s in range(0, v.nbytes, block)]
-    total = sum(v.nbytes for v in views)
-
-    def crc(job: tuple[int, int]) -> int:
-        i, s = job
-        return zlib.crc32(views[i][s : s + block])
-
-    workers = min(4, os.cpu_count() or 1)
-    if total >= PARALLEL_CRC_BYTES and workers > 1:
-        with cf.ThreadPoolExecutor(workers, thread_name_prefix="rp-wire-crc") as ex:
-            results = list(ex.map(crc, jobs, chunksize=16))
-    else:
-        results = [crc(j) for j in jobs]
-    for (i, _), c in zip(jobs, results):
-        specs[i]["crc32"].append(c)
+from rallypoint.transports._encode import Encoded, encode  # noqa: E402  (public via wire)
 
 
 # --------------------------------------------------------------------------- receiving
@@ -424,9 +233,11 @@ class Sink:
         for pi in pieces:
             self._verify(pi)
 
-    def _verify(self, pi: int) -> None:
-        ds, ln, ti, st, crc = self.header.pieces[pi]
-        got = zlib.crc32(self._views[ti][st : st + ln])
+    def _verify(self, pi: int, crc: int | None = None) -> None:
+        """Check piece ``pi`` against ``crc`` (inline) or the header's checksum."""
+        ds, ln, ti, st, hcrc = self.header.pieces[pi]
+        crc = hcrc if crc is None else crc
+        got = crc32(self._views[ti][st : st + ln])
         if got != crc:
             spec = self.header.tensors[ti]
             raise WireError(

@@ -1,0 +1,345 @@
+"""Encoding a state dict into the wire format (:func:`encode`) and streaming it
+(:class:`Encoded`), split from :mod:`rallypoint.transports.wire`, which re-exports both.
+
+Two ways to carry checksums: in the header (one pass over the whole state before
+anything is served; the process-group transport sends whole tensors and needs them up
+front) or inline (``sums="inline"``: each piece's CRC-32 computed as the piece is
+streamed, on the connection's thread, overlapping the transfer; what the HTTP transport
+serves, so serving costs no pass over the state on the caller's thread).
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures as cf
+import json
+import os
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rallypoint.transports import _tensors as T
+from rallypoint.transports._header import (
+    _PREFIX,
+    _SCALARS,
+    DEFAULT_BLOCK,
+    FORMAT,
+    MAGIC,
+    MAX_DEPTH,
+    SUM,
+    SUM_BYTES,
+    VERSION,
+    WireError,
+    key_str,
+)
+from rallypoint.transports._crc import crc32
+from rallypoint.transports._range_writer import COALESCE_BELOW
+
+#: From this many bytes on, encoding computes header checksums on several threads.
+PARALLEL_CRC_BYTES = 64 << 20
+
+
+class Encoded:
+    """An encoded state dict: the header bytes plus zero-copy views of every tensor's bytes.
+
+    Keeps the (possibly copied) tensors alive, so the views stay valid while this object
+    lives. A transport can stream it many times (several receivers, retried ranges).
+    With inline checksums (``encode(sums="inline")``) each piece's CRC-32 is computed as
+    the piece is streamed and follows it; :meth:`_take` and :meth:`_give_back` are the
+    hooks a live server uses to guard the tensors it has not copied.
+    """
+
+    def __init__(self, header: bytes, tensors: list[torch.Tensor], views: list[memoryview], *,
+                 block: int = DEFAULT_BLOCK, inline: bool = False, sources: list[torch.Tensor] | None = None,
+                 copied: list[bool] | None = None, keys: list[str] | None = None) -> None:
+        self.header = header  #: prefix + JSON header, ready to send
+        self._tensors = tensors
+        self.views = views
+        self.block = block
+        self.inline = inline
+        #: the caller's tensors the encoding was taken from, and whether each was copied
+        self.sources = sources if sources is not None else list(tensors)
+        self.copied = copied if copied is not None else [True] * len(tensors)
+        self.keys = keys if keys is not None else [f"tensor {i}" for i in range(len(tensors))]
+        self.starts: list[int] = []
+        pos = 0
+        for v in views:
+            self.starts.append(pos)
+            pos += v.nbytes
+        self.data_bytes = pos
+        #: (data start, length, tensor index, start within the tensor), as in the header
+        self.pieces = [(s + st, min(block, v.nbytes - st), i, st)
+                       for i, (s, v) in enumerate(zip(self.starts, views)) for st in range(0, v.nbytes, block)]
+        self._piece_starts = [p[0] for p in self.pieces]
+
+    def tensor(self, i: int) -> torch.Tensor:
+        """The i-th tensor as encoded (contiguous, on the host), kept alive by this object."""
+        return self._tensors[i]
+
+    @property
+    def stream_bytes(self) -> int:
+        return len(self.header) + self.wire_bytes(0, self.data_bytes)
+
+    def wire_bytes(self, start: int, end: int) -> int:
+        """Bytes on the wire for data bytes ``[start, end)`` (4 more per piece when inline)."""
+        if not self.inline or start >= end:
+            return end - start
+        n = bisect.bisect_left(self._piece_starts, end) - bisect.bisect_left(self._piece_starts, start)
+        return end - start + SUM_BYTES * n
+
+    def aligned(self, start: int, end: int) -> bool:
+        """Whether ``[start, end)`` starts and ends at piece boundaries (inline ranges must)."""
+        if start == end:
+            return 0 <= start <= self.data_bytes
+        i = bisect.bisect_left(self._piece_starts, start)
+        j = bisect.bisect_left(self._piece_starts, end)
+        return (i < len(self.pieces) and self._piece_starts[i] == start and j > 0
+                and self.pieces[j - 1][0] + self.pieces[j - 1][1] == end)
+
+    def iter_data(self, start: int = 0, end: int | None = None, piece: int = DEFAULT_BLOCK) -> Iterator[memoryview]:
+        """Views covering data bytes ``[start, end)``, each at most ``piece`` bytes (inline:
+        each checksum block followed by its CRC-32)."""
+        end = self.data_bytes if end is None else end
+        if not 0 <= start <= end <= self.data_bytes:
+            raise ValueError(f"range [{start}, {end}) outside the data region of {self.data_bytes} bytes")
+        if self.inline:
+            yield from self._iter_inline(start, end)
+            return
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        pos = start
+        small = bytearray()  # consecutive small tensors travel as one piece (one copy)
+        while pos < end and i < len(self.views):
+            v, s = self.views[i], self.starts[i]
+            lo, hi = pos - s, min(v.nbytes, end - s)
+            if hi - lo < COALESCE_BELOW:
+                small += v[lo:hi]
+                if len(small) >= piece:
+                    yield memoryview(bytes(small))
+                    small.clear()
+            else:
+                if small:
+                    yield memoryview(bytes(small))
+                    small.clear()
+                while lo < hi:
+                    n = min(piece, hi - lo)
+                    yield v[lo : lo + n]
+                    lo += n
+            pos = s + v.nbytes
+            i += 1
+        if small:
+            yield memoryview(bytes(small))
+
+    def _take(self, ti: int) -> tuple[memoryview, bool]:
+        """The view to read tensor ``ti`` from, and whether it is the caller's live memory
+        (then :meth:`_summed` follows once the piece is checksummed or copied, and
+        :meth:`_give_back` once it left). Overridden by live servers."""
+        return self.views[ti], False
+
+    def _summed(self, ti: int, live: bool) -> None:
+        """The piece of tensor ``ti`` just taken is checksummed (or copied)."""
+
+    def _give_back(self, ti: int, live: bool, sent: bool) -> None:
+        """A piece of tensor ``ti`` was read (``sent``: and sent completely)."""
+
+    def _iter_inline(self, start: int, end: int) -> Iterator[memoryview]:
+        if not self.aligned(start, end):
+            raise ValueError(f"range [{start}, {end}) is not aligned to checksum blocks")
+        first = bisect.bisect_left(self._piece_starts, start)
+        last = bisect.bisect_left(self._piece_starts, end)
+        small = bytearray()  # small pieces (and their sums) travel together (one copy)
+        for pi in range(first, last):
+            _, ln, ti, st = self.pieces[pi]
+            view, live = self._take(ti)
+            sent = summed = False
+            try:
+                part = view[st : st + ln]
+                if ln < COALESCE_BELOW:
+                    at = len(small)
+                    small += part
+                    self._summed(ti, live)
+                    summed = sent = True  # copied: what is sent is what was summed
+                    small += SUM.pack(crc32(memoryview(small)[at:]))
+                    if len(small) >= self.block:
+                        yield memoryview(bytes(small))
+                        small.clear()
+                    continue
+                if small:
+                    yield memoryview(bytes(small))
+                    small.clear()
+                # Summed before sending: a change after this fails the receiver's check.
+                crc = crc32(part)
+                self._summed(ti, live)
+                summed = True
+                yield part
+                yield memoryview(SUM.pack(crc))
+                sent = True
+            finally:
+                if not summed:
+                    self._summed(ti, live)
+                self._give_back(ti, live, sent)
+        if small:
+            yield memoryview(bytes(small))
+
+    def iter_stream(self, piece: int = DEFAULT_BLOCK) -> Iterator[memoryview]:
+        """The whole stream: header, then the data."""
+        yield memoryview(self.header)
+        yield from self.iter_data(piece=piece)
+
+    def write_to(self, f: Any) -> None:
+        for v in self.iter_stream():
+            f.write(v)
+
+
+def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any] | None = None,
+           copy: bool = False, copy_below: int = 0, sums: str = "header") -> Encoded:
+    """Encode ``state_dict`` (nested dict/list/tuple of tensors and plain values).
+
+    Non-contiguous or device tensors are copied to contiguous host memory (only the
+    elements they view); contiguous CPU tensors are not copied unless ``copy`` (then the
+    encoding shares no memory with ``state_dict``, which may change while it is served),
+    or they are smaller than ``copy_below`` bytes, or they are inference tensors (no
+    version counter to guard them with). ``sums="inline"``: no checksums are computed
+    here (no pass over the whole state before serving); each piece's CRC-32 is computed
+    as it is streamed and follows it. Raises :class:`WireError` naming the key of a leaf
+    that is not allowed.
+    """
+    if block <= 0:
+        raise ValueError("block must be positive")
+    if sums not in ("header", "inline"):
+        raise ValueError(f"sums must be 'header' or 'inline', not {sums!r}")
+    sources: list[torch.Tensor] = []
+    copied: list[bool] = []
+    keys: list[str] = []
+    tensors: list[torch.Tensor] = []
+    views: list[memoryview] = []
+    specs: list[dict[str, Any]] = []
+    offset = 0
+
+    def tensor_node(x: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        nonlocal offset
+        key = key_str(path)
+        dmeta = None
+        local = x
+        if T.is_dtensor(x):
+            try:
+                dmeta = T.dtensor_meta(x)
+            except TypeError as exc:
+                raise WireError(f"{key}: {exc}", key=key) from None
+            local = x.to_local()  # type: ignore[attr-defined]  # a DTensor (checked above)
+        elif type(x) not in (torch.Tensor, torch.nn.Parameter):
+            raise WireError(f"{key}: tensor subclass {type(x).__name__} is not supported", key=key)
+        if local.layout != torch.strided or local.is_quantized or local.device.type == "meta":
+            raise WireError(f"{key}: only dense tensors are supported (got {local.layout}, {local.device})", key=key)
+        name = T.DTYPE_NAMES.get(local.dtype)
+        if name is None:
+            raise WireError(f"{key}: dtype {local.dtype} is not supported by the wire format", key=key)
+        t = T.sendable(local)
+        shared = t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+        if shared and (copy or t.numel() * t.element_size() < copy_below or t.is_inference()):
+            t = t.clone()
+            shared = False
+        view = T.byte_view(t)
+        n = view.nbytes
+        specs.append(
+            {
+                "key": key,
+                "dtype": name,
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": n,
+                **({} if sums == "inline" else {"crc32": []}),  # filled in below, possibly in parallel
+                "param": bool(isinstance(x, torch.nn.Parameter) and x.requires_grad),
+                "dtensor": dmeta,
+            }
+        )
+        tensors.append(t)
+        views.append(view)
+        sources.append(local)
+        copied.append(not shared)
+        keys.append(key)
+        offset += n
+        return {"t": len(specs) - 1}
+
+    def walk(x: Any, path: tuple[Any, ...], depth: int, tensors_ok: bool = True) -> dict[str, Any]:
+        if depth > MAX_DEPTH:
+            raise WireError(f"{key_str(path)}: nested deeper than {MAX_DEPTH} levels (a cycle?)", key=key_str(path))
+        if isinstance(x, torch.Tensor) and tensors_ok:
+            return tensor_node(x, path)
+        if type(x) in _SCALARS:
+            return {"v": x}
+        if isinstance(x, dict) and type(x) in (dict, OrderedDict):
+            items = []
+            for k, v in x.items():
+                if type(k) not in _SCALARS:
+                    raise WireError(
+                        f"{key_str(path)}: dict key {k!r} of type {type(k).__name__} is not allowed "
+                        "(str, int, float, bool or None)",
+                        key=key_str(path),
+                    )
+                items.append([k, walk(v, path + (k,), depth + 1, tensors_ok)])
+            node: dict[str, Any] = {"d": items}
+            if type(x) is OrderedDict:
+                node["o"] = True
+            meta = getattr(x, "_metadata", None)
+            if meta is not None:
+                node["m"] = walk(meta, path + ("_metadata",), depth + 1, tensors_ok=False)
+            return node
+        if type(x) is list:
+            return {"l": [walk(v, path + (i,), depth + 1, tensors_ok) for i, v in enumerate(x)]}
+        if type(x) is torch.Size:
+            return {"s": [int(s) for s in x]}
+        if type(x) is tuple:
+            return {"u": [walk(v, path + (i,), depth + 1, tensors_ok) for i, v in enumerate(x)]}
+        raise WireError(
+            f"{key_str(path)}: leaf of type {type(x).__name__} is not allowed (tensors, dict/list/tuple, "
+            "int, float, str, bool, None)",
+            key=key_str(path),
+        )
+
+    tree = walk(state_dict, (), 0)
+    if sums == "header":
+        _fill_checksums(specs, views, block)
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        **({"sums": "inline"} if sums == "inline" else {}),
+        "block": block,
+        "data_bytes": offset,
+        "extra": extra or {},
+        "tree": tree,
+        "tensors": specs,
+    }
+    try:
+        raw = json.dumps(header, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"header cannot be encoded as JSON: {exc}") from None
+    return Encoded(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw, tensors, views, block=block,
+                   inline=sums == "inline", sources=sources, copied=copied, keys=keys)
+
+
+
+def _fill_checksums(specs: list[dict[str, Any]], views: list[memoryview], block: int) -> None:
+    """One CRC-32 per ``block`` of every tensor. From PARALLEL_CRC_BYTES on, the blocks are
+    spread over a few threads (zlib releases the GIL): a 1 GB state takes ~0.3 s of CRC on
+    one core, and this runs on the sender's step."""
+    jobs = [(i, s) for i, v in enumerate(views) for s in range(0, v.nbytes, block)]
+    total = sum(v.nbytes for v in views)
+
+    def crc(job: tuple[int, int]) -> int:
+        i, s = job
+        return crc32(views[i][s : s + block])
+
+    workers = min(4, os.cpu_count() or 1)
+    if total >= PARALLEL_CRC_BYTES and workers > 1:
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix="rp-wire-crc") as ex:
+            results = list(ex.map(crc, jobs, chunksize=16))
+    else:
+        results = [crc(j) for j in jobs]
+    for (i, _), c in zip(jobs, results):
+        specs[i]["crc32"].append(c)
+
+
+__all__ = ["Encoded", "encode"]

@@ -1,0 +1,370 @@
+"""The receiving side of :mod:`rallypoint.transports.http`: one receive, from one source
+or striped over several.
+
+One source: the header, then the data in ranges over ``num_chunks`` connections, each
+range verified as it arrives and retried (up to ``retries`` times) when it fails.
+
+Striped (``metadata`` lists several base URLs, comma-separated, the assigned source
+first): every source holds the same state (they committed the same steps), so the
+ranges are shared out among all of them: each source gets ``num_chunks`` connections,
+and every connection takes the next range not yet fetched from one shared queue, so a
+faster source serves more of it. A source joins only after its header is byte-for-byte
+the first source's (the same tensors, shapes and step). A source that fails
+(``retries + 1`` failures, or an answer retrying cannot fix: refused, withdrawn) is
+dropped and its ranges go to the others; the receive fails only when every source
+did. The inline checksums verify each range against the source that sent it. When the
+receive is complete, every source is told (``/done``), so a live sender drops its frozen
+copy at once instead of at its timeout.
+
+Fast path: the status and headers go through httpx, then the body is read with
+``recv_into`` straight into the destination tensors from the socket under the response
+(httpcore's ``network_stream`` extension; over TLS the ``ssl.SSLSocket``, which decrypts
+into them); that connection is then closed rather than reused. Where the extension is
+missing, the plain ``iter_raw`` path is used.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import io
+import logging
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES
+from rallypoint.transports import wire
+from rallypoint.transports._http_util import (
+    SourceRefused,
+    TransferError,
+    TransferTimeout,
+    _check_status,
+    _plain_socket,
+    _timeout,
+)
+
+if TYPE_CHECKING:
+    import httpx
+
+    from rallypoint.transports.http import HTTPTransport
+
+logger = logging.getLogger("rallypoint.transports.http")
+
+#: The most sources one receive stripes over.
+MAX_SOURCES = 8
+#: How long a source other than the first may take to publish before it is left out.
+SECONDARY_PUBLISH_WAIT_S = 2.0
+
+
+def parse_sources(metadata: str, src_rank: int) -> list[str]:
+    """The base URLs in ``metadata`` (comma-separated, at most MAX_SOURCES); raises
+    :class:`TransferError` for anything that is not an http(s) URL."""
+    if len(metadata) > MAX_CHECKPOINT_METADATA_BYTES * MAX_SOURCES:
+        raise TransferError(f"rank {src_rank}'s checkpoint address is over the size limit: refusing to fetch")
+    bases = [b.strip().rstrip("/") for b in metadata.split(",")][:MAX_SOURCES]
+    for b in bases:
+        if len(b) > MAX_CHECKPOINT_METADATA_BYTES or not b.lower().startswith(("http://", "https://")):
+            raise TransferError(f"rank {src_rank}'s checkpoint address {b[:200]!r} is not an http(s) URL: "
+                                "refusing to fetch from it")
+    return bases
+
+
+@dataclass
+class _Source:
+    base: str
+    where: str
+    ready: bool = False  # its header matched the first source's
+    dead: str | None = None  # why it was dropped
+    failures: int = 0
+    served: int = 0  # ranges it delivered
+
+
+class Receive:
+    """One ``recv_checkpoint`` call of ``transport`` (its settings: token, TLS, chunks,
+    limits, retries)."""
+
+    def __init__(self, transport: HTTPTransport, src_rank: int, metadata: str, step: int, deadline: float) -> None:
+        self.t = transport
+        self.step = step
+        self.deadline = deadline
+        bases = parse_sources(metadata, src_rank)
+        self.where = f"checkpoint of step {step} from rank {src_rank} at {bases[0]}"
+        if len(bases) > 1:
+            self.where += f" (+{len(bases) - 1} more sources)"
+        try:
+            self.verify: ssl.SSLContext | bool = transport._ssl() if transport._tls.client_tls(bases[0]) else False
+        except ValueError as exc:  # TLS required and the source is clear text
+            raise TransferError(f"{self.where}: {exc}") from exc
+        if self.verify is not False:
+            bases = ["https://" + b[len("http://"):] if b.startswith("http://") else b for b in bases]
+        self.sources = [_Source(b, f"{b} (step {step})") for b in bases]
+        self.lock = threading.Lock()
+        self.header_raw = b""
+
+    # ---------------------------------------------------------------- the whole receive
+
+    def run(self, into: Any, in_place: bool, mesh: Any) -> Any:
+        import httpx
+
+        t = self.t
+        headers = {"authorization": f"Bearer {t._token}"} if t._token is not None else {}
+        n = t._num_chunks * len(self.sources)
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        first = self.sources[0]
+        with httpx.Client(headers=headers, limits=limits, timeout=_timeout(self.deadline), verify=self.verify) as client:
+            try:
+                self.header_raw = self._await_header(client, first, self.deadline)
+                header = wire.read_header(io.BytesIO(self.header_raw).readinto, t._max_header, wire.MIN_NETWORK_BLOCK,
+                                          t._max_state)
+            except httpx.TimeoutException as exc:
+                raise TransferTimeout(f"{self.where}: no header within the timeout ({exc})") from exc
+            except httpx.HTTPError as exc:
+                raise TransferError(f"{self.where}: {type(exc).__name__}: {exc}") from exc
+            except wire.WireError as exc:
+                raise TransferError(f"{self.where}: bad header: {exc}") from exc
+            if header.extra.get("step") != self.step:
+                raise TransferError(f"{self.where}: the header is for step {header.extra.get('step')!r}")
+            first.ready = True
+            try:
+                sink = wire.Sink(header, into=into, in_place=in_place, mesh=mesh)
+            except wire.WireError as exc:
+                raise TransferError(f"{self.where}: {exc}") from exc
+            max_chunk = t._max_chunk
+            if self.verify is not False:
+                # Over TLS every range is a new connection and a full handshake (the fast
+                # path closes it after the body): no more ranges than connections.
+                max_chunk = max(max_chunk, -(-header.data_bytes // n))
+            self._fetch_all(client, sink, header.split(n, max_chunk))
+            self._say_done(client)
+        try:
+            return sink.finish()
+        except wire.WireError as exc:  # pragma: no cover - every range was verified
+            raise TransferError(f"{self.where}: {exc}") from exc
+
+    def _say_done(self, client: httpx.Client) -> None:
+        """Tell every live source we have everything (best effort, 2 s at most)."""
+        import httpx
+
+        def done(src: _Source) -> None:
+            try:
+                client.get(f"{src.base}/checkpoint/{self.step}/done", timeout=min(2.0, max(0.1, self.deadline
+                                                                                            - time.monotonic())))
+            except httpx.HTTPError as exc:
+                logger.debug("%s: could not say done: %s", src.where, exc)
+
+        live = [s for s in self.sources if s.ready and s.dead is None]
+        if len(live) == 1:
+            done(live[0])
+            return
+        with cf.ThreadPoolExecutor(len(live), thread_name_prefix="rp-http-done") as ex:
+            list(ex.map(done, live))
+
+    # ---------------------------------------------------------------- headers
+
+    def _await_header(self, client: httpx.Client, src: _Source, deadline: float) -> bytes:
+        """The header, asking again while the source has not published this step yet."""
+        pw = self.t._publish_wait
+        give_up = deadline if pw is None else min(deadline, time.monotonic() + pw)
+        pause = 0.005
+        while True:
+            try:
+                return self._get_header(client, src, deadline)
+            except SourceRefused as exc:
+                if exc.status != 404 or time.monotonic() + pause >= give_up:
+                    if exc.status == 404 and pw != 0:
+                        raise TransferTimeout(f"{exc} (still, after waiting for it to be published)") from exc
+                    raise
+                logger.debug("%s: not published yet (HTTP %d); asking again", src.where, exc.status)
+            time.sleep(pause)  # the source is remote: there is no event to wait on
+            pause = min(pause * 2, 0.02)  # a restarted replica waits on this: keep the lag small
+
+    def _get_header(self, client: httpx.Client, src: _Source, deadline: float) -> bytes:
+        """The header bytes, refusing to buffer more than the header size limit."""
+        limit = self.t._max_header + wire.PREFIX_BYTES
+        with client.stream("GET", f"{src.base}/checkpoint/{self.step}/header", timeout=_timeout(deadline)) as r:
+            if r.status_code != 200:
+                _check_status(r, src.where)
+            buf = bytearray()
+            for chunk in r.iter_bytes():
+                buf += chunk
+                if len(buf) > limit:
+                    raise TransferError(f"{src.where}: header larger than the limit of {self.t._max_header} bytes")
+            return bytes(buf)
+
+    def _join(self, client: httpx.Client, src: _Source) -> bool:
+        """Whether ``src`` may serve ranges: its header must be the first source's."""
+        import httpx
+
+        with self.lock:
+            if src.ready or src.dead is not None:
+                return src.dead is None
+        try:
+            raw = self._await_header(client, src, min(self.deadline, time.monotonic() + SECONDARY_PUBLISH_WAIT_S))
+        except (httpx.HTTPError, TransferError) as exc:
+            self._drop(src, f"no header: {exc}")
+            return False
+        with self.lock:
+            if raw != self.header_raw:
+                src.dead = src.dead or "it serves a different state (its header differs from the first source's)"
+                logger.warning("%s: left out of the striped heal: %s", src.where, src.dead)
+                return False
+            src.ready = True
+            return src.dead is None
+
+    def _drop(self, src: _Source, why: str) -> None:
+        with self.lock:
+            if src.dead is None:
+                src.dead = why
+                others = [s for s in self.sources if s.dead is None]
+                if others:
+                    logger.warning("%s: dropped from the striped heal (%s); %d other source(s) go on",
+                                   src.where, why, len(others))
+
+    # ---------------------------------------------------------------- data
+
+    def _fetch_all(self, client: httpx.Client, sink: wire.Sink, ranges: list[tuple[int, int]]) -> None:
+        import httpx
+
+        t = self.t
+        todo: collections.deque[tuple[int, int]] = collections.deque(ranges)
+        left = [len(ranges)]
+        cv = threading.Condition(self.lock)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def worker(src: _Source) -> None:
+            if src is not self.sources[0] and not self._join(client, src):
+                with cv:
+                    cv.notify_all()
+                return
+            while not stop.is_set():
+                with cv:
+                    while not todo and left[0] > 0 and src.dead is None and not stop.is_set():
+                        cv.wait(0.1)  # a range may come back from a failing source
+                    if not todo or src.dead is not None or stop.is_set():
+                        return
+                    rng = todo.popleft()
+                try:
+                    self._fetch_range(client, src, sink, rng, stop)
+                except (httpx.HTTPError, wire.WireError, TransferError) as exc:
+                    with cv:
+                        todo.appendleft(rng)
+                        src.failures += 1
+                        fatal = isinstance(exc, SourceRefused) or src.failures > t._retries
+                        cv.notify_all()
+                    if time.monotonic() >= self.deadline:
+                        errors.append(exc)
+                        stop.set()
+                        return
+                    logger.warning("%s: range %s failed (%d): %s", src.where, rng, src.failures, exc)
+                    if fatal:
+                        self._drop(src, f"{type(exc).__name__}: {exc}")
+                        errors.append(exc)
+                        with cv:
+                            cv.notify_all()
+                        return
+                    continue
+                with cv:
+                    src.served += 1
+                    src.failures = 0  # failures in a row drop a source, not failures in all
+                    left[0] -= 1
+                    cv.notify_all()
+
+        workers = [s for s in self.sources for _ in range(max(1, min(t._num_chunks, len(ranges))))]
+        ex = cf.ThreadPoolExecutor(max(1, len(workers)), thread_name_prefix="rp-http-recv")
+        futures = [ex.submit(worker, s) for s in workers]
+        try:
+            with cv:
+                while left[0] > 0 and not stop.is_set():
+                    if all(s.dead is not None for s in self.sources):
+                        break
+                    if time.monotonic() >= self.deadline:
+                        break
+                    if all(f.done() for f in futures):
+                        break
+                    cv.wait(min(0.1, max(0.0, self.deadline - time.monotonic())))
+                done = left[0] == 0
+            if not done:
+                exc = errors[-1] if errors else None
+                if isinstance(exc, httpx.TimeoutException) or (exc is None and time.monotonic() >= self.deadline):
+                    raise TransferTimeout(f"{self.where}: not complete within the timeout"
+                                          + (f": {exc}" if exc else "")) from exc
+                if isinstance(exc, TransferError) and len(self.sources) == 1:
+                    raise exc
+                why = "; ".join(f"{s.base}: {s.dead}" for s in self.sources if s.dead) or repr(exc)
+                raise TransferError(f"{self.where}: every source failed: {why}") from exc
+        finally:
+            stop.set()
+            with cv:
+                cv.notify_all()
+            # Workers notice ``stop`` at their next chunk and every read has a deadline, so
+            # they end by then anyway; wait a moment so none writes after we return.
+            ex.shutdown(wait=False, cancel_futures=True)
+            cf.wait(futures, timeout=min(1.0, max(0.0, self.deadline - time.monotonic())))
+        served = {s.base: s.served for s in self.sources if s.served}
+        if len(self.sources) > 1:
+            logger.info("%s: ranges per source %s", self.where, served)
+
+    def _fetch_range(self, client: httpx.Client, src: _Source, sink: wire.Sink, rng: tuple[int, int],
+                     stop: threading.Event) -> None:
+        import httpx
+
+        start, end = rng
+        deadline = self.deadline
+        url = f"{src.base}/checkpoint/{self.step}/data"
+        with client.stream("GET", url, params={"start": start, "end": end}, timeout=_timeout(deadline)) as r:
+            if r.status_code != 200:
+                _check_status(r, f"{src.where}: range [{start}, {end})")
+            length = int(r.headers.get("content-length", -1))
+            if length != sink.header.wire_bytes(start, end):
+                raise wire.WireError(f"range [{start}, {end}): the source announced {length} bytes")
+            w = sink.writer(start, end)
+            sock = _plain_socket(r)
+            chunks = r.iter_raw()
+            if sock is None:
+                for chunk in chunks:
+                    if stop.is_set():
+                        return
+                    w.write(chunk)
+                w.close()
+                return
+            # Fast path: take what httpx already buffered, then recv_into the tensors
+            # directly (no per-64 KiB Python parsing, no intermediate bytes). The
+            # connection's HTTP state no longer matches its socket, so httpx closes it
+            # instead of reusing it (it never saw the end of this body).
+            first = next(chunks, b"")
+            w.write(first)
+            left = length - len(first)
+            timeout_set = float("inf")
+
+            def readinto(mv: memoryview) -> int:
+                nonlocal left, timeout_set
+                if stop.is_set() or left <= 0:
+                    return 0
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise httpx.ReadTimeout(f"range [{start}, {end}) not complete by the deadline")
+                if timeout_set - remaining > 0.25:
+                    # Not per read: over TLS a read is one 16 KiB record, and each
+                    # settimeout costs syscalls. A read may overrun the deadline by 0.25 s.
+                    sock.settimeout(remaining)
+                    timeout_set = remaining
+                try:
+                    n = sock.recv_into(mv, min(mv.nbytes, left))
+                except TimeoutError as exc:
+                    raise httpx.ReadTimeout(f"range [{start}, {end}): {exc}") from exc
+                except OSError as exc:
+                    raise httpx.ReadError(f"range [{start}, {end}): {exc}") from exc
+                left -= n
+                return n
+
+            w.pull(readinto)
+            if stop.is_set():
+                return
+            w.close()
+
+
+__all__ = ["MAX_SOURCES", "Receive", "parse_sources"]

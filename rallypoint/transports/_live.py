@@ -1,0 +1,235 @@
+"""Serving a state dict without copying it first: live tensors, frozen just before they change.
+
+Why: a healing peer reads the whole state of its source. Copying that state before
+serving it (what ``HTTPTransport`` did) cost the sender 1.1-1.6 s per GB on its quorum
+thread, and as much memory again, before the first byte left. Forward and backward do
+not change parameters or optimizer state, so those can be served from the caller's own
+memory while the step computes; only the optimizer update changes them.
+
+The rules (:class:`LiveEncoded`):
+
+* **Copied at once** (by :func:`~rallypoint.transports.wire.encode`): tensors under
+  ``copy_below`` bytes (BatchNorm's running statistics and step counters, which forward
+  changes; they are small), device and non-contiguous tensors (they need a host copy
+  anyway), and inference tensors (no version counter to guard them).
+* **Served live**: every other tensor, read straight from the caller's memory.
+* **Frozen before the update**: :meth:`LiveEncoded.freeze` copies every live tensor that
+  has not yet been delivered to every expected receiver, and retires the delivered ones
+  (a later read of a retired tensor is refused: the receiver heals again). It returns
+  once no piece of live memory is being checksummed, so the caller may then change its
+  state: a piece already summed and still being sent fails the receiver's check if it
+  changes, and is fetched again from the copy. The transport calls it from ``disallow_checkpoint`` (the Manager's
+  ``should_commit``, right before the optimizer may step), and an optimizer step
+  pre-hook calls it for any optimizer step taken while something is served live (a
+  DiLoCo sender's inner steps during the sync delay; a step taken without the Manager).
+  The frozen copies are served until every receiver has its bytes, then dropped.
+* **Caught if it happens anyway**: each live tensor's autograd version counter (which
+  every in-place change bumps) is recorded when served and checked before and after
+  each piece is read; a change spoils the offer, and every later request is refused
+  with a message that names the tensor. Each piece's checksum is computed just before
+  it is sent, so a change during the send fails the receiver's check.
+
+Residual risk, by design: an in-place change of a large tensor outside an optimizer step
+(not BatchNorm: its buffers are small and copied) that is still running when its last
+piece is checked can reach a receiver undetected. ``HTTPTransport(serve="copy")`` serves
+a full copy taken at ``send_checkpoint`` for code that does that.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from rallypoint.transports import _tensors as T
+from rallypoint.transports._encode import Encoded
+
+logger = logging.getLogger("rallypoint.transports.http")
+
+#: Tensors smaller than this are copied when served (whatever changes during forward,
+#: like BatchNorm's running statistics, is small); larger ones are served live.
+COPY_BELOW = 1 << 20
+
+
+class StateChanged(RuntimeError):
+    """A live tensor changed while it was served, or was retired after delivery."""
+
+
+class LiveEncoded(Encoded):
+    """An :class:`Encoded` whose uncopied tensors are the caller's live memory (see the
+    module docstring). ``receivers``: how many peers are expected to read it all;
+    ``on_complete`` runs once every piece was delivered that often after :meth:`freeze`."""
+
+    def __init__(self, enc: Encoded, receivers: int, on_complete: Callable[[], None] | None = None) -> None:
+        self.__dict__.update(enc.__dict__)
+        n = len(self.views)
+        self._cv = threading.Condition()
+        self._live = [not c for c in self.copied]
+        self._versions = [int(s._version) if live else -1 for s, live in zip(self.sources, self._live)]
+        npieces = [0] * n
+        for _, _, ti, _ in self.pieces:
+            npieces[ti] += 1
+        self._need = [k * max(1, receivers) for k in npieces]
+        self._sent = [0] * n
+        self._owed = sum(1 for k in self._need if k)  # tensors not yet delivered to everyone
+        self._summing = [0] * n  # pieces of live memory being checksummed (or copied), per tensor
+        self._retired = [False] * n
+        self._on_complete = on_complete
+        self._receivers = max(1, receivers)
+        self._done = 0  # receivers that said they have everything they need from us
+        #: a receiver asked for something (a header or a range) since it was served
+        self.started = False
+        self.frozen = False
+        self.spoiled: str | None = None
+        self.live_bytes = sum(v.nbytes for v, live in zip(self.views, self._live) if live)
+        if self.live_bytes:
+            _watch(self)
+
+    # ------------------------------------------------------------ reading (connection threads)
+
+    def _key(self, ti: int) -> str:
+        return f"tensor {self.keys[ti]}"
+
+    def _changed(self, ti: int) -> bool:
+        return int(self.sources[ti]._version) != self._versions[ti]
+
+    def _spoil(self, ti: int) -> StateChanged:
+        if self.spoiled is None:
+            self.spoiled = (f"the sender's {self._key(ti)} changed while it was served (an in-place change outside "
+                            "an optimizer step); nothing torn is delivered: heal again, or serve copies "
+                            "(HTTPTransport(serve='copy'))")
+            logger.warning("%s", self.spoiled)
+        return StateChanged(self.spoiled)
+
+    def _take(self, ti: int) -> tuple[memoryview, bool]:
+        self.started = True
+        with self._cv:
+            if self.spoiled is not None:
+                raise StateChanged(self.spoiled)
+            if not self._live[ti]:
+                return self.views[ti], False
+            if self._retired[ti]:
+                raise StateChanged(f"{self._key(ti)} was delivered and the sender has stepped since; "
+                                   "it is not served again (heal again)")
+            if self._changed(ti):
+                raise self._spoil(ti)
+            self._summing[ti] += 1
+            return self.views[ti], True
+
+    def _summed(self, ti: int, live: bool) -> None:
+        if live:
+            with self._cv:
+                self._summing[ti] -= 1
+                self._cv.notify_all()
+
+    def _give_back(self, ti: int, live: bool, sent: bool) -> None:
+        complete = False
+        with self._cv:
+            if live and not self.frozen and self._changed(ti):
+                # Changed outside an optimizer step while this piece was read: the
+                # checksum may or may not catch it (it was computed before the send).
+                self._spoil(ti)
+                sent = False
+            if sent and self._sent[ti] < self._need[ti]:
+                self._sent[ti] += 1
+                if self._sent[ti] == self._need[ti]:
+                    self._owed -= 1
+                    complete = self._owed == 0 and self.frozen
+        if complete:
+            self._completed()
+
+    def _completed(self) -> None:
+        cb, self._on_complete = self._on_complete, None
+        if cb is not None:
+            cb()
+
+    @property
+    def delivered(self) -> bool:
+        """Every piece was sent to every expected receiver, or each said it is done."""
+        return self._owed == 0 or self._done >= self._receivers
+
+    def receiver_done(self) -> None:
+        """A receiver has all it needs from us (a striped heal takes only part of it)."""
+        with self._cv:
+            self._done += 1
+            complete = self._done == self._receivers and self.frozen
+        if complete:
+            self._completed()
+
+    # ------------------------------------------------------------ freezing (the caller's thread)
+
+    def freeze(self, wait_s: float, keep: bool = True) -> int:
+        """Make the served state independent of the caller's memory; returns the bytes
+        copied. Undelivered live tensors are copied (reads go on from the copies),
+        delivered ones are retired. It returns once no piece of live memory is being
+        checksummed (a checksum takes well under a millisecond; ``wait_s`` bounds it):
+        a piece whose checksum was taken before the caller changes it can still be on
+        its way, but then its bytes fail the receiver's check (it fetches that range
+        again, from the copy); it never arrives torn. ``keep=False`` (the state is
+        withdrawn, never served again): retire everything, copy nothing."""
+        with self._cv:
+            if self.frozen:
+                return 0
+            self.frozen = True
+            todo = [i for i, live in enumerate(self._live) if live]
+        _unwatch(self)
+        copied = 0
+        for i in todo:
+            with self._cv:
+                delivered = self._sent[i] >= self._need[i] or self._done >= self._receivers or not keep
+                if delivered or self.spoiled is not None:
+                    self._retired[i] = True
+            if not delivered and self.spoiled is None:
+                clone = self._tensors[i].clone()  # reads go on from the live memory meanwhile
+                with self._cv:
+                    if self._changed(i):
+                        self._spoil(i)
+                    self._tensors[i] = clone
+                    self.views[i] = T.byte_view(clone)
+                    self._live[i] = False
+                copied += clone.numel() * clone.element_size()
+            with self._cv:
+                if not self._cv.wait_for(lambda i=i: self._summing[i] == 0, timeout=wait_s):  # type: ignore[misc]
+                    logger.warning("%s: a checksum of live memory still running after %.1f s", self._key(i), wait_s)
+        if copied:
+            logger.info("froze the served state: copied %d bytes not yet delivered", copied)
+        with self._cv:
+            complete = self._owed == 0 or self._done >= self._receivers
+        if complete:
+            self._completed()
+        return copied
+
+
+# --------------------------------------------------------------------------- optimizer hook
+
+_WATCHED: weakref.WeakSet[LiveEncoded] = weakref.WeakSet()
+_HOOK_LOCK = threading.Lock()
+_hook: Any = None
+#: The longest an optimizer step waits for one in-flight read of live memory.
+HOOK_WAIT_S = 10.0
+
+
+def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Any optimizer step while something is served live freezes it first."""
+    for enc in list(_WATCHED):
+        enc.freeze(HOOK_WAIT_S)
+
+
+def _watch(enc: LiveEncoded) -> None:
+    global _hook
+    with _HOOK_LOCK:
+        if _hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook  # not at import: cold start
+
+            _hook = register_optimizer_step_pre_hook(_before_optimizer_step)
+        _WATCHED.add(enc)
+
+
+def _unwatch(enc: LiveEncoded) -> None:
+    with _HOOK_LOCK:
+        _WATCHED.discard(enc)
+
+
+__all__ = ["COPY_BELOW", "LiveEncoded", "StateChanged"]

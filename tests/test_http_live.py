@@ -1,0 +1,231 @@
+"""Live serving and striped receiving of HTTPTransport, with real servers on 127.0.0.1.
+
+Live serving (rallypoint/transports/_live.py): the caller's tensors are served without a
+copy and frozen before they change, so a receiver never gets a changed or torn state,
+and the sender's step never waits for a slow receiver. Striping (_http_recv.py): one
+receive fetches disjoint ranges from several identical sources at once and falls back
+to the others when one fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from rallypoint.transports.http import HTTPTransport, SourceRefused, TransferError, TransferTimeout
+from test_http_transport import (  # noqa: F401 - the fixture is used by name
+    MANY_RANGES,
+    SMALL_BLOCKS,
+    TEN,
+    Faulty,
+    assert_same,
+    make_state,
+    transports,
+)
+
+
+def test_live_disallow_does_not_wait_for_a_stalled_receiver(transports: Callable[..., HTTPTransport]) -> None:
+    """Live serving: a receiver that stops reading never holds up the sender's step;
+    disallow freezes the state and returns at once."""
+    src = transports(Faulty, mode="stall", faults=10**6, copy_below=0)
+    dst = transports()
+    sd = make_state(9)
+    src.send_checkpoint([1], 1, sd, TEN)
+    with pytest.raises(TransferTimeout):
+        dst.recv_checkpoint(0, src.metadata(), 1, timedelta(seconds=1))
+    assert isinstance(src, Faulty) and src.active > 0
+    t0 = time.monotonic()
+    src.disallow_checkpoint()
+    assert time.monotonic() - t0 < 1.0
+    src.release.set()
+
+
+@pytest.mark.parametrize("serve", ["copy", "live", "live-optimizer"])
+def test_disallow_during_a_transfer_in_flight(transports: Callable[..., HTTPTransport], serve: str) -> None:
+    """The sender's state changes right after disallow (its optimizer step) while four
+    ranges are in flight: the receiver still gets the state as served. Copy: disallow
+    waits for the streams. Live: it returns at once, the streams go on from the frozen
+    copy. Live-optimizer: no disallow, an optimizer step mid-transfer freezes it."""
+    import copy as copy_mod
+
+    warm = torch.nn.Parameter(torch.zeros(1))  # an optimizer's first step imports torch._dynamo: seconds
+    warm.grad = torch.zeros(1)
+    torch.optim.SGD([warm], lr=1.0).step()
+    src = transports(Faulty, mode="slow", block=16 << 10, num_chunks=4, serve=serve.split("-")[0], copy_below=0)
+    dst = transports(num_chunks=4)
+    sd = make_state(10)
+    src.send_checkpoint([1], 1, sd, TEN)
+    result: queue.Queue[Any] = queue.Queue()
+    th = threading.Thread(target=lambda: result.put(dst.recv_checkpoint(0, src.metadata(), 1, TEN)))
+    th.start()
+    assert isinstance(src, Faulty)
+    deadline = time.monotonic() + 5
+    while src.active < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert src.active == 4
+    want = copy_mod.deepcopy(sd)
+    floats = [t for t in sd["model"].values() if t.is_floating_point() and t.is_contiguous()]
+    if serve == "live-optimizer":
+        params = [torch.nn.Parameter(t) for t in floats]  # share memory with the served tensors
+        for p in params:
+            p.grad = torch.ones_like(p)
+        torch.optim.SGD(params, lr=1.0).step()
+    else:
+        src.disallow_checkpoint()
+        with torch.no_grad():
+            for t in floats:
+                t.add_(1)
+    assert src.active == (0 if serve == "copy" else 4)
+    assert not torch.equal(floats[0], want["model"]["layer0.weight"])
+    th.join(10)
+    assert_same(want, result.get(timeout=1))
+
+
+def test_served_state_never_arrives_changed_or_torn(transports: Callable[..., HTTPTransport]) -> None:
+    """Training goes on while a peer fetches (DiLoCo's inner steps during the sync delay).
+    ``serve="copy"``: the receiver gets the state as served whatever changes. Live (the
+    default): an optimizer step freezes the served state first, so the receiver gets it
+    as served; an in-place change outside an optimizer step is refused, naming the
+    tensor, and never received."""
+    import copy as copy_mod
+
+    sd = make_state(5)
+    want = copy_mod.deepcopy(sd)
+    src, dst = transports(serve="copy"), transports()
+    src.send_checkpoint([1], 2, sd, TEN)
+    for t in sd["model"].values():
+        if t.is_floating_point():
+            t.add_(1)  # the sender's next inner step
+    assert_same(want, dst.recv_checkpoint(0, src.metadata(), 2, TEN))
+
+    live = transports(copy_below=0)
+    assert live.serve_mode == "live" and live.copies_state
+    sd = make_state(6)
+    want = copy_mod.deepcopy(sd)
+    params = [torch.nn.Parameter(t) for t in sd["model"].values() if t.is_floating_point() and t.is_contiguous()]
+    sd["model"].update({k: p.detach() for k, p in zip(sd["model"], params)})
+    opt = torch.optim.SGD(params, lr=0.5)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    live.send_checkpoint([1], 3, sd, TEN)
+    opt.step()  # the pre-hook freezes what is served before the update
+    assert not torch.equal(params[0].detach(), want["model"]["layer0.weight"])
+    assert_same(want, dst.recv_checkpoint(0, live.metadata(), 3, TEN))
+
+    sd = make_state(7)
+    live.send_checkpoint([1], 4, sd, TEN)
+    sd["model"]["layer0.weight"].add_(1)  # not an optimizer step, no disallow: a bug in the caller
+    with pytest.raises(SourceRefused, match=r"\['model'\]\['layer0.weight'\] changed while it was served") as ei:
+        dst.recv_checkpoint(0, live.metadata(), 4, TEN)
+    assert ei.value.status == 410
+
+
+# --------------------------------------------------------------------------- striping
+
+
+class Counting(HTTPTransport):
+    """Counts the data ranges it serves."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        self.ranges = 0
+        super().__init__(*a, **kw)
+
+    def _pieces(self, served: Any, start: int, end: int, with_header: bool) -> Any:
+        if not with_header:
+            self.ranges += 1
+        return super()._pieces(served, start, end, with_header)
+
+
+def serve_all(sources: list[HTTPTransport], sd: Any, step: int = 1) -> str:
+    for s in sources:
+        s.send_checkpoint([1], step, sd, TEN)
+    return ",".join(s.metadata() for s in sources)
+
+
+def test_striped_receive_uses_every_source_and_frees_them(transports: Callable[..., HTTPTransport]) -> None:
+    """Three identical sources: the receive takes ranges from each, the state arrives
+    whole, and each live source drops its offer as soon as the receiver says done."""
+    sources = [transports(Counting, copy_below=0, **SMALL_BLOCKS) for _ in range(3)]
+    sd = make_state(21)
+    meta = serve_all(sources, sd)
+    dst = transports(**MANY_RANGES)
+    assert_same(sd, dst.recv_checkpoint(0, meta, 1, TEN))
+    counts = [s.ranges for s in sources]  # type: ignore[attr-defined]
+    assert all(c > 0 for c in counts), counts
+    for s in sources:
+        s.disallow_checkpoint()  # told done: withdrawn, nothing copied
+        assert s._served is None and s._withdrawn == 1
+
+
+@pytest.mark.parametrize("which", ["first", "second"])
+def test_striped_receive_survives_a_source_dying(transports: Callable[..., HTTPTransport], which: str,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A source that breaks every range it serves is dropped after its retries; the
+    other one serves the rest; the receiver gets the whole state and the log names the
+    dropped source."""
+    good = transports(copy_below=0, **SMALL_BLOCKS)
+    bad = transports(Faulty, mode="truncate", faults=10**6, **SMALL_BLOCKS)
+    order = [bad, good] if which == "first" else [good, bad]
+    sd = make_state(22)
+    meta = serve_all(order, sd)
+    dst = transports(**MANY_RANGES)
+    with caplog.at_level(logging.WARNING, logger="rallypoint.transports.http"):
+        assert_same(sd, dst.recv_checkpoint(0, meta, 1, TEN))
+    assert any("dropped from the striped heal" in r.getMessage() and bad.metadata() in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
+def test_striped_receive_survives_a_source_that_is_shut_down(transports: Callable[..., HTTPTransport]) -> None:
+    """The second source's server goes away mid-receive (its process died): the first
+    one serves what is left."""
+    slow = transports(Faulty, mode="slow", **SMALL_BLOCKS)
+    gone = transports(Faulty, mode="slow", **SMALL_BLOCKS)
+    sd = make_state(23)
+    meta = serve_all([slow, gone], sd)
+    dst = transports(**MANY_RANGES)
+    out: queue.Queue[Any] = queue.Queue()
+    th = threading.Thread(target=lambda: out.put(dst.recv_checkpoint(0, meta, 1, timedelta(seconds=30))))
+    th.start()
+    deadline = time.monotonic() + 10
+    assert isinstance(gone, Faulty)
+    while gone.requests < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    gone.shutdown(wait=False)
+    th.join(40)
+    assert_same(sd, out.get(timeout=1))
+
+
+def test_a_source_with_another_state_is_left_out(transports: Callable[..., HTTPTransport],
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Striping needs identical sources: one whose header differs (another layout) never
+    serves a range; the receive comes from the first source alone."""
+    first = transports(Counting, **SMALL_BLOCKS)
+    other = transports(Counting, **SMALL_BLOCKS)
+    sd = make_state(24)
+    first.send_checkpoint([1], 1, sd, TEN)
+    other.send_checkpoint([1], 1, make_state(24, n=3), TEN)
+    dst = transports(**MANY_RANGES)
+    with caplog.at_level(logging.WARNING, logger="rallypoint.transports.http"):
+        assert_same(sd, dst.recv_checkpoint(0, f"{first.metadata()},{other.metadata()}", 1, TEN))
+    assert other.ranges == 0 and first.ranges > 0  # type: ignore[attr-defined]
+    assert "serves a different state" in caplog.text
+
+
+def test_every_source_failing_is_one_clear_error(transports: Callable[..., HTTPTransport]) -> None:
+    a = transports(Faulty, mode="truncate", faults=10**6, **SMALL_BLOCKS)
+    b = transports(Faulty, mode="truncate", faults=10**6, **SMALL_BLOCKS)
+    meta = serve_all([a, b], make_state(25))
+    with pytest.raises(TransferError, match="every source failed") as ei:
+        transports(**MANY_RANGES).recv_checkpoint(0, meta, 1, TEN)
+    assert a.metadata() in str(ei.value) and b.metadata() in str(ei.value)
+    with pytest.raises(TransferError, match="not an http"):
+        transports().recv_checkpoint(0, f"{a.metadata()},file:///etc/passwd", 1, TEN)
