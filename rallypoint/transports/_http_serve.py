@@ -47,6 +47,13 @@ class _Served:
     aborted: bool = False  # streams still running after the wait must stop
     active: int = 0
     expiry: threading.Timer | None = None  # withdraws a frozen live state after the timeout
+
+    def release(self) -> None:
+        """Withdrawn and no stream left: drop the state's memory now (a live state's
+        frozen copies; a copy's whole copy)."""
+        release = getattr(self.enc, "release", None)
+        if callable(release):
+            release()
     done: threading.Condition = field(default_factory=threading.Condition)
 
 
@@ -287,7 +294,10 @@ class CheckpointServer:
         finally:
             with served.done:
                 served.active -= 1
+                idle = served.withdrawn and served.active == 0
                 served.done.notify_all()
+            if idle:
+                served.release()
 
     # ---------------------------------------------------------------- stopping
 

@@ -18,11 +18,16 @@ The rules (:class:`LiveEncoded`):
   (a later read of a retired tensor is refused: the receiver heals again). It returns
   once no piece of live memory is being checksummed, so the caller may then change its
   state: a piece already summed and still being sent fails the receiver's check if it
-  changes, and is fetched again from the copy. The transport calls it from ``disallow_checkpoint`` (the Manager's
-  ``should_commit``, right before the optimizer may step), and an optimizer step
-  pre-hook calls it for any optimizer step taken while something is served live (a
-  DiLoCo sender's inner steps during the sync delay; a step taken without the Manager).
-  The frozen copies are served until every receiver has its bytes, then dropped.
+  changes, and is fetched again from the copy. The transport freezes in
+  ``disallow_checkpoint`` (the Manager's ``should_commit``, right before the optimizer
+  may step; a state no receiver has asked for yet is withdrawn instead, never copied)
+  and ``freeze_checkpoint``; an optimizer step pre-hook freezes for any optimizer step
+  taken while something is served live (a DiLoCo sender's inner steps during the sync
+  delay; a step taken without the Manager). The frozen copies are served until every
+  receiver has its bytes (or says it is done: a striped receiver takes only part from
+  each source), then dropped; at the latest after the transport's timeout.
+* **Cost in the usual step**: none. A healing replica's allreduce waits for its heal, so
+  its sources reach ``should_commit`` only after it has everything and said so.
 * **Caught if it happens anyway**: each live tensor's autograd version counter (which
   every in-place change bumps) is recorded when served and checked before and after
   each piece is read; a change spoils the offer, and every later request is refused
@@ -108,6 +113,8 @@ class LiveEncoded(Encoded):
         with self._cv:
             if self.spoiled is not None:
                 raise StateChanged(self.spoiled)
+            if not self.views:
+                raise StateChanged("the checkpoint was withdrawn")
             if not self._live[ti]:
                 return self.views[ti], False
             if self._retired[ti]:
@@ -157,6 +164,17 @@ class LiveEncoded(Encoded):
             complete = self._done == self._receivers and self.frozen
         if complete:
             self._completed()
+
+    def release(self) -> None:
+        """Drop every tensor (the frozen copies' memory goes at once, not at the next
+        garbage collection); only once no stream reads them: the views do not keep
+        their memory alive."""
+        with self._cv:
+            self._tensors = []
+            self.views = []
+            self._live = [False] * len(self._live)
+            self._retired = [True] * len(self._retired)
+            self._on_complete = None
 
     # ------------------------------------------------------------ freezing (the caller's thread)
 

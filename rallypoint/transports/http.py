@@ -373,6 +373,10 @@ class HTTPTransport(CheckpointTransport[Any]):
             served.enc.freeze(served.timeout, keep=False)
         if why != "delivered":
             served.aborted = True
+        with served.done:
+            idle = served.active == 0
+        if idle:
+            served.release()
         logger.info("stopped serving checkpoint of step %d (%s)", served.step, why)
         return True
 
