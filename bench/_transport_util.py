@@ -1,0 +1,349 @@
+"""Helpers of ``bench/transport.py`` (not part of the library): the cases and their
+states, the plain-socket ceiling (sender and the three receivers), child processes
+with timeouts, and the table/ratios/goals report.
+
+The plain-socket ceiling speaks a minimal protocol: the receiver opens a connection and
+sends ``!II`` (part, parts); the sender answers with the raw bytes of tensors
+``[part * n // parts, (part + 1) * n // parts)`` of its state dict, in order, and
+closes. One thread per connection, so ``socket4``'s four connections run in parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+TENSOR_NUMEL = 3 * 1024 * 1024 // 4  # 3 MiB of float32
+CASES = {
+    "100MB": ("big", 100 * 1024 * 1024 // (TENSOR_NUMEL * 4)),
+    "1GB": ("big", 1024 * 1024 * 1024 // (TENSOR_NUMEL * 4)),
+    "4GB": ("big", 4 * 1024 * 1024 * 1024 // (TENSOR_NUMEL * 4)),  # only with --cases 4GB
+    "tiny4000": ("tiny", 4000),
+}
+#: From this state size on, one receiver process at a time (start, warm-up + repeats,
+#: stop, next contender): ~6 receivers of 4 GB each plus the sender do not fit in 24 GiB.
+SEQUENTIAL_FROM_BYTES = 2 << 30
+CONTENDERS = ["rallypoint", "rp_inplace", "torchft0", "torchft4", "socket", "socket_inplace", "socket4",
+              "rp_pg", "rp_pg_inplace", "torchft_pg"]
+PG_CONTENDERS = ("rp_pg", "rp_pg_inplace", "torchft_pg")
+#: the plain-socket contenders (they all dial the sender's one socket port)
+SOCKETS = ("socket", "socket_inplace", "socket4")
+#: the in-place plain-socket ceilings, against which rp_inplace is measured
+INPLACE_SOCKETS = ("socket_inplace", "socket4")
+TLS_CONTENDER = "http_tls"  # with --tls: rallypoint's HTTPTransport over mutual TLS + token
+TLS_INPLACE = "http_tls_inplace"  # the same, receiving in place (as rp_inplace)
+TLS_SOCKET = "socket_tls"  # with --tls: "socket" over mutual TLS (the TLS ceiling)
+#: --tls contenders, each run right after the clear-text contender it is compared with
+TLS_CONTENDERS = {TLS_CONTENDER: "rallypoint", TLS_INPLACE: "rp_inplace", TLS_SOCKET: "socket"}
+#: the issue's goals for the HTTP receive
+GOAL_VS_TORCHFT = 1.3  # >= 1.3x torchft's (its Manager's default, num_chunks=0: "torchft0")
+GOAL_OF_SOCKET = 0.8  # >= 80% of the plain-socket ceiling
+
+
+def state_shapes(case: str) -> dict[str, tuple[int, ...]]:
+    kind, n = CASES[case]
+    if kind == "big":
+        return {f"layer{i}.weight": (TENSOR_NUMEL,) for i in range(n)}
+    return {f"p{i}": (16,) for i in range(n)}
+
+
+def make_state(case: str) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(shape, generator=g) for k, shape in state_shapes(case).items()}
+
+
+def zeros_state(case: str) -> dict[str, Any]:
+    """A receiver's own state of the case's shapes (allocated and touched once)."""
+    import torch
+
+    return {k: torch.zeros(shape) for k, shape in state_shapes(case).items()}
+
+
+def state_bytes(case: str) -> int:
+    kind, n = CASES[case]
+    return n * (TENSOR_NUMEL * 4 if kind == "big" else 64)
+
+
+def rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def proc_cpu(pid: int) -> float:
+    """user+system CPU seconds of process ``pid`` (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------------------- child processes
+
+
+def child(script: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, os.path.abspath(script), *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+
+
+def read_json_line(p: subprocess.Popen[str], timeout: float, what: str) -> dict[str, Any]:
+    box: list[str] = []
+    th = threading.Thread(target=lambda: box.append(p.stdout.readline() if p.stdout else ""), daemon=True)
+    th.start()
+    th.join(timeout)
+    if not box or not box[0].strip():
+        raise RuntimeError(f"{what}: no answer within {timeout:.0f} s (rc={p.poll()})")
+    return json.loads(box[0])
+
+
+def kill(p: subprocess.Popen[str]) -> None:
+    """SIGKILL by pid, then reap."""
+    if p.poll() is None:
+        try:
+            os.kill(p.pid, 9)
+        except ProcessLookupError:
+            pass
+    p.wait(10)
+
+
+# --------------------------------------------------------------------------- plain-socket ceiling
+
+_REQ = struct.Struct("!II")  # (part, parts)
+
+
+def _part(n: int, part: int, parts: int) -> range:
+    return range(part * n // parts, (part + 1) * n // parts)
+
+
+def serve_socket(lsock: socket.socket, views: list[memoryview], timeout_s: float, wrap: Any = None) -> None:
+    """Accept loop (run it in a daemon thread): each connection asks for a part and gets
+    its tensors' bytes with ``sendall``, in its own thread."""
+
+    def one(conn: socket.socket) -> None:
+        try:
+            conn.settimeout(timeout_s)
+            if wrap is not None:
+                conn = wrap(conn, server_side=True)
+            with conn:
+                req = b""
+                while len(req) < _REQ.size:
+                    more = conn.recv(_REQ.size - len(req))
+                    if not more:
+                        return
+                    req += more
+                part, parts = _REQ.unpack(req)
+                for i in _part(len(views), part, parts):
+                    conn.sendall(views[i])
+        except OSError:  # a refused handshake, a receiver gone: next connection
+            pass
+
+    while True:
+        try:
+            conn, _ = lsock.accept()
+        except OSError:
+            return
+        threading.Thread(target=one, args=(conn,), daemon=True).start()
+
+
+def _recv_part(port: int, dest: list[Any], part: int, parts: int, timeout_s: float, wrap: Any) -> None:
+    from rallypoint.transports._tensors import byte_view
+
+    raw = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    with (wrap(raw) if wrap is not None else raw) as s:
+        s.sendall(_REQ.pack(part, parts))
+        for i in _part(len(dest), part, parts):
+            view = byte_view(dest[i])
+            n, got = len(view), 0
+            while got < n:
+                k = s.recv_into(view[got:])
+                if not k:
+                    raise RuntimeError(f"socket closed after {got} of {n} bytes of tensor {i}")
+                got += k
+
+
+def keep_freed_heap() -> bool:
+    """glibc: serve 3 MiB blocks from the heap and never trim it (``mallopt``), so memory
+    freed after one fetch is reused, already faulted in, by the next one. Used by the
+    ``socket`` ceiling (see :func:`socket_fetcher`) and by ``heal_stall``'s receivers
+    (their page faults stay out of the sender's measured steps). False where not glibc.
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    # 32 MiB: glibc's largest mmap threshold on 64-bit (blocks below it come from the heap)
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, -1))  # -1: never trim
+
+
+def socket_fetcher(case: str, contender: str, port: int, timeout_s: float, wrap: Any = None) -> Callable[[], Any]:
+    """The fetch of a plain-socket contender.
+
+    ``socket``/``socket_tls``: per fetch a fresh destination allocated as rallypoint's
+    fresh receiver allocates it (``torch.empty`` per tensor + ``advise_huge_pages``), one
+    connection; the process keeps its freed heap (:func:`keep_freed_heap`), as ours in
+    effect does: it allocates more after its tensors (connections, buffers), which pins
+    the heap's top, and from its third fetch on it mostly reuses the freed blocks. A bare
+    socket receiver allocates nothing after them: glibc merges the freed tensors into the
+    heap's top and trims it, and every repeat faults the whole state in again (~262,000
+    minor faults per GB, 1-4 s on this VM): the old ``socket`` median measured page
+    faults, not the network. (A small block held after the tensors does not pin the top
+    reliably: it lands in a free fragment lower down.) Both first fetches fault
+    everything (``first_fetch_rallypoint_of_socket`` compares those). ``socket_inplace``: one destination, allocated and zeroed before the first
+    fetch and reused (no page faults: the network ceiling). ``socket4``: the same in-place
+    destination, a quarter of the tensors over each of 4 parallel connections.
+    """
+    import torch
+
+    from rallypoint.transports._tensors import advise_huge_pages
+
+    shapes = list(state_shapes(case).values())
+    if contender in ("socket", TLS_SOCKET):
+        keep_freed_heap()
+
+        def fresh() -> Any:
+            dest = [torch.empty(s) for s in shapes]
+            for t in dest:
+                advise_huge_pages(t)
+            _recv_part(port, dest, 0, 1, timeout_s, wrap)
+            return dest
+
+        return fresh
+    held = list(zeros_state(case).values())
+    if contender == "socket_inplace":
+        return lambda: _recv_part(port, held, 0, 1, timeout_s, wrap)
+    if contender == "socket4":
+        pool = ThreadPoolExecutor(4, thread_name_prefix="socket4")
+
+        def four() -> None:
+            for f in [pool.submit(_recv_part, port, held, i, 4, timeout_s, wrap) for i in range(4)]:
+                f.result(timeout_s)
+
+        return four
+    raise SystemExit(f"unknown socket contender {contender!r}")
+
+
+# --------------------------------------------------------------------------- report
+
+# (ratio name, numerator contender, denominator contender, field): numerator/denominator
+RATIOS = [
+    ("rallypoint_vs_torchft0", "torchft0", "rallypoint", "median_s"),
+    ("rallypoint_vs_torchft4", "torchft4", "rallypoint", "median_s"),
+    ("rallypoint_of_socket", "socket", "rallypoint", "median_s"),  # fresh vs fresh
+    ("inplace_vs_torchft0", "torchft0", "rp_inplace", "median_s"),
+    ("inplace_of_socket_inplace", "socket_inplace", "rp_inplace", "median_s"),
+    ("inplace_of_socket4", "socket4", "rp_inplace", "median_s"),
+    ("socket4_vs_socket_inplace", "socket_inplace", "socket4", "median_s"),
+    ("first_fetch_rallypoint_vs_torchft0", "torchft0", "rallypoint", "first_s"),
+    ("first_fetch_inplace_vs_torchft0", "torchft0", "rp_inplace", "first_s"),
+    ("first_fetch_rallypoint_of_socket", "socket", "rallypoint", "first_s"),
+    ("pg_vs_torchft_pg", "torchft_pg", "rp_pg", "median_s"),
+    ("pg_inplace_vs_torchft_pg", "torchft_pg", "rp_pg_inplace", "median_s"),
+    ("first_fetch_pg_vs_torchft_pg", "torchft_pg", "rp_pg", "first_s"),
+    # TLS: time over TLS / time in clear text (goal <= 1.15 for 1 GB)
+    ("http_tls_vs_http", TLS_CONTENDER, "rallypoint", "median_s"),
+    ("http_tls_inplace_vs_inplace", TLS_INPLACE, "rp_inplace", "median_s"),
+    ("first_fetch_http_tls_vs_http", TLS_CONTENDER, "rallypoint", "first_s"),
+    ("first_fetch_http_tls_inplace_vs_inplace", TLS_INPLACE, "rp_inplace", "first_s"),
+    ("socket_tls_vs_socket", TLS_SOCKET, "socket", "median_s"),
+    ("http_tls_of_socket_tls", TLS_SOCKET, TLS_CONTENDER, "median_s"),
+]
+
+
+def case_ratios(rs: dict[str, Any]) -> dict[str, Any]:
+    """The ratios of one case, plus ``inplace_of_best_socket``: rp_inplace's throughput as a
+    fraction of the best in-place socket ceiling run (socket_inplace or socket4, named in
+    ``best_inplace_socket``): the goal's ratio."""
+    out: dict[str, Any] = {name: rs[num][field] / rs[den][field] for name, num, den, field in RATIOS
+                           if num in rs and den in rs}
+    best = min((c for c in INPLACE_SOCKETS if c in rs), key=lambda c: rs[c]["median_s"], default=None)
+    if best is not None and "rp_inplace" in rs:
+        out["inplace_of_best_socket"] = rs[best]["median_s"] / rs["rp_inplace"]["median_s"]
+        out["best_inplace_socket"] = best
+    return out
+
+
+def case_goals(rt: dict[str, Any]) -> dict[str, bool]:
+    """The issue's goals for one case: HTTP receive >= 1.3x torchft(0) and >= 80% of the socket ceiling."""
+    checks = {"rallypoint_vs_torchft0": GOAL_VS_TORCHFT, "inplace_vs_torchft0": GOAL_VS_TORCHFT,
+              "rallypoint_of_socket": GOAL_OF_SOCKET, "inplace_of_best_socket": GOAL_OF_SOCKET}
+    return {k: rt[k] >= bound for k, bound in checks.items() if k in rt}
+
+
+def _fmt(rt: dict[str, Any], key: str, fmt: str, label: str) -> str:
+    return f"{label} {rt[key]:{fmt}}" if key in rt else ""
+
+
+def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, load: list[float]) -> None:
+    summary: dict[str, Any] = {"bench": "transport", "repeats": repeats, "load_start_end": load, "cases": results,
+                               "ratios": {}, "goals": {}}
+    for case, rs in results.items():
+        summary["ratios"][case] = case_ratios(rs)
+        summary["goals"][case] = case_goals(summary["ratios"][case])
+    if not json_only:
+        print(f"load average {load[0]:.2f} -> {load[1]:.2f}")
+        cw = 18 if any(c in TLS_CONTENDERS for rs in results.values() for c in rs) else 15  # contender column
+        print(f"{'case':<10}{'contender':<{cw}}{'first s':>9}{'median s':>10}{'GB/s':>8}{'recv CPU s':>12}"
+              f"{'send CPU s':>12}{'peak RSS MB':>13}{'(peak-base)/state':>19}{'same, all repeats':>19}"
+              f"{'faults 1st':>12}{'faults med':>12}")
+        for case, rs in results.items():
+            for c, r in rs.items():
+                print(f"{case:<10}{c:<{cw}}{r['first_s']:>9.4f}{r['median_s']:>10.4f}{r['gbps']:>8.3f}"
+                      f"{r['recv_cpu_s']:>12.3f}{r['send_cpu_s']:>12.3f}{r['peak_rss_mb']:>13.0f}"
+                      f"{r['peak_over_base_x_state']:>19.2f}{r['peak_over_base_x_state_all_repeats']:>19.2f}"
+                      f"{r['first_minor_faults']:>12}{r['minor_faults']:>12.0f}")
+            rt = summary["ratios"][case]
+            parts = [
+                _fmt(rt, "rallypoint_vs_torchft0", ".2f", "rallypoint x torchft(0)"),
+                _fmt(rt, "rallypoint_vs_torchft4", ".2f", "rallypoint x torchft(4)"),
+                _fmt(rt, "rallypoint_of_socket", ".0%", "rallypoint of socket (fresh vs fresh)"),
+                _fmt(rt, "inplace_vs_torchft0", ".2f", "rp_inplace x torchft(0)"),
+                _fmt(rt, "inplace_of_socket_inplace", ".0%", "rp_inplace of socket_inplace"),
+                _fmt(rt, "inplace_of_socket4", ".0%", "rp_inplace of socket4"),
+                _fmt(rt, "socket4_vs_socket_inplace", ".2f", "socket4 x socket_inplace"),
+                _fmt(rt, "first_fetch_rallypoint_vs_torchft0", ".2f", "first fetch: rallypoint x torchft(0)"),
+                _fmt(rt, "first_fetch_inplace_vs_torchft0", ".2f", "first fetch: rp_inplace x torchft(0)"),
+                _fmt(rt, "first_fetch_rallypoint_of_socket", ".0%", "first fetch: rallypoint of socket"),
+                _fmt(rt, "pg_vs_torchft_pg", ".2f", "PG: rp_pg x torchft_pg"),
+                _fmt(rt, "pg_inplace_vs_torchft_pg", ".2f", "rp_pg_inplace x torchft_pg"),
+                _fmt(rt, "first_fetch_pg_vs_torchft_pg", ".2f", "first fetch rp_pg x torchft_pg"),
+            ]
+            print(f"{case:<10}ratios (median unless first): " + ", ".join(p for p in parts if p))
+            goals = summary["goals"][case]
+            if goals:
+                shown = [(k, lab, f) for k, lab, f in (
+                    ("rallypoint_vs_torchft0", "rallypoint (fresh) / torchft(0)", ".2f"),
+                    ("inplace_vs_torchft0", "rp_inplace / torchft(0)", ".2f"),
+                    ("rallypoint_of_socket", "rallypoint of socket (fresh)", ".1%"),
+                    ("inplace_of_best_socket", f"rp_inplace of {rt.get('best_inplace_socket')} (best in-place "
+                                               "socket ceiling)", ".1%")) if k in goals]
+                print(f"{case:<10}goals: HTTP receive >= {GOAL_VS_TORCHFT}x torchft(0) and >= {GOAL_OF_SOCKET:.0%} of "
+                      "the socket ceiling: " + ", ".join(f"{lab} {rt[k]:{f}} {'met' if goals[k] else 'NOT met'}"
+                                                         for k, lab, f in shown))
+            tls_parts = [
+                _fmt(rt, "http_tls_vs_http", ".2f", "http_tls / rallypoint"),
+                _fmt(rt, "http_tls_inplace_vs_inplace", ".2f", "http_tls_inplace / rp_inplace"),
+                _fmt(rt, "first_fetch_http_tls_vs_http", ".2f", "first fetch http_tls / rallypoint"),
+                _fmt(rt, "first_fetch_http_tls_inplace_vs_inplace", ".2f", "first fetch http_tls_inplace / rp_inplace"),
+                _fmt(rt, "socket_tls_vs_socket", ".2f", "socket_tls / socket"),
+                _fmt(rt, "http_tls_of_socket_tls", ".0%", "http_tls of socket_tls"),
+            ]
+            if any(tls_parts):
+                goal = " (goal <= 1.15 at 1 GB)" if case == "1GB" else ""
+                sockets = {c: rs[c]["fast_path_sockets"] for c in (TLS_CONTENDER, TLS_INPLACE)
+                           if "fast_path_sockets" in rs.get(c, {})}
+                print(f"{case:<10}TLS (median time TLS / clear text){goal}: " + ", ".join(p for p in tls_parts if p)
+                      + f"; fast path sockets {sockets}")
+    print(json.dumps(summary))
