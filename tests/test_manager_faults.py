@@ -110,8 +110,11 @@ def test_heal_on_the_training_thread(lighthouse, replicas_factory, transport: st
     """``heal_on_training_thread`` (what FSDP needs): a replica killed mid-allreduce comes
     back and heals, and every state callback of senders and receivers ran on the training
     thread, never on the quorum thread."""
+    # http: a 1.3 MB weight, served live; the sender's optimizer steps right after its
+    # vote while the healing peer may still be fetching (freeze_checkpoint copies it first).
+    extra = {"width": 80_000} if transport == "http" else {}
     r = run_kill_and_rejoin(lighthouse, replicas_factory, {"at": "mid_allreduce", "step": 3}, n=2,
-                            training_thread=True, transport=transport)
+                            training_thread=True, transport=transport, **extra)
     served_or_healed = 0
     for name in ("replica_0", "replica_1"):
         prog = r.progress(name)
