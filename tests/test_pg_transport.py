@@ -330,3 +330,110 @@ def w_recv_cuda(src: int, step: int) -> str | None:
     out = _transport(TIMEOUT_S).recv_checkpoint(src, "<pg>", step, datetime.timedelta(seconds=TIMEOUT_S), into=template)
     assert all(out[k] is template[k] and out[k].is_cuda for k in expect)
     return same(expect, {k: v.cpu() for k, v in out.items()})
+
+
+def test_plan_sends_device_tensors_as_their_own_messages() -> None:
+    """A tensor sent from device memory is never packed with others (it is never on the host)."""
+    sizes = [64, 64, 64, 0]
+    assert [m.direct for m in plan_messages(sizes)] == [False]
+    plan = plan_messages(sizes, on_device=[False, True, False, True])
+    assert [(m.first, m.last, m.direct) for m in plan] == [(0, 1, False), (1, 2, True), (2, 4, False)]
+
+
+def test_a_header_sent_from_device_memory_is_refused_without_a_device() -> None:
+    """``"device": true`` (no checksums: NCCL moved it device to device) is only taken by a
+    receiver on a device; an HTTP or gloo receiver refuses it before allocating anything."""
+    import json
+
+    from rallypoint.transports import wire
+
+    enc = wire.encode({"w": torch.ones(4)})
+    doc = json.loads(enc.header[wire.PREFIX_BYTES:])
+    doc["tensors"][0]["device"] = True
+    doc["tensors"][0]["crc32"] = []
+    header = wire.parse_header(json.dumps(doc).encode())
+    assert header.tensors[0].device
+    with pytest.raises(wire.WireError, match="sent from device memory"):
+        wire.Sink(header)
+    with pytest.raises(wire.WireError, match="sent from device memory"):
+        wire.Sink(header, device=torch.device("cpu"))
+    doc["tensors"][0]["crc32"] = [1]
+    with pytest.raises(wire.WireError, match="checksums for a tensor sent from device memory"):
+        wire.parse_header(json.dumps(doc).encode())
+    doc["tensors"][0]["device"] = "yes"
+    with pytest.raises(wire.WireError, match="device must be true or false"):
+        wire.parse_header(json.dumps(doc).encode())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_tensors_are_encoded_and_received_without_a_host_copy() -> None:
+    """One GPU: a CUDA state dict encoded for a device process group keeps its tensors on
+    the device (no host view, no checksum), and a Sink on the device fills the caller's
+    CUDA tensors in place."""
+    from rallypoint.transports import wire
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sd = {"w": torch.randn(1 << 20, device=dev), "b": torch.arange(5, device=dev), "host": torch.ones(3)}
+    enc = wire.encode(sd, keep_device=dev)
+    assert enc.on_device == [True, True, False]
+    assert enc.tensor(0).data_ptr() == sd["w"].data_ptr()  # not copied
+    header = wire.parse_header(enc.header[wire.PREFIX_BYTES:])
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    sink = wire.Sink(header, into=target, in_place=True, device=dev)
+    for ti, spec in enumerate(header.tensors):
+        dest = sink.destination(ti)
+        if spec.device:
+            assert dest.data_ptr() == target[spec.path[0]].data_ptr()
+            dest.copy_(enc.tensor(ti))  # what NCCL's recv does, device to device
+        else:
+            dest.copy_(enc.tensor(ti))
+        sink.verify_tensor(ti, [pi for pi, p in enumerate(header.pieces) if p[2] == ti])
+    out = sink.finish()
+    assert all(out[k] is target[k] for k in sd) and out["w"].is_cuda
+    assert all(torch.equal(out[k].cpu(), sd[k].cpu()) for k in sd)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a device per rank")
+def test_pg_transport_over_nccl_moves_device_memory_directly() -> None:
+    """Two ranks on two GPUs (threads): the sender's CUDA tensors arrive in the receiver's
+    CUDA tensors, in place (same storage), over NCCL, without a host copy."""
+    import threading
+
+    from rallypoint.process_groups import ProcessGroupNCCL
+    from rallypoint.transports.pg import PGTransport
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = f"127.0.0.1:{store.port}/pgt_nccl"
+    pgs = [ProcessGroupNCCL(timeout=datetime.timedelta(seconds=30)) for _ in range(2)]
+    expect = make_state("big")
+    errors: list[BaseException] = []
+    out: dict[str, Any] = {}
+
+    def rank(r: int) -> None:
+        try:
+            torch.cuda.set_device(r)
+            pgs[r].configure(addr, f"r{r}", r, 2, quorum_id=1)
+            t = PGTransport(pgs[r], datetime.timedelta(seconds=30), device=torch.device("cuda", r))
+            if r == 0:
+                t.send_checkpoint([1], 3, {k: v.cuda(0) for k, v in expect.items()}, datetime.timedelta(seconds=30))
+            else:
+                template = {k: torch.zeros_like(v, device="cuda:1") for k, v in expect.items()}
+                ptrs = {k: v.data_ptr() for k, v in template.items()}
+                got = t.recv_checkpoint(0, "<pg>", 3, datetime.timedelta(seconds=30), into=template)
+                out.update(same_objects=all(got[k] is template[k] for k in expect),
+                           same_ptrs=all(got[k].data_ptr() == ptrs[k] for k in expect),
+                           diff=same(expect, {k: v.cpu() for k, v in got.items()}))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(90)
+    for p in pgs:
+        p.shutdown()
+    assert not errors, errors
+    assert out == {"same_objects": True, "same_ptrs": True, "diff": None}, out

@@ -54,7 +54,8 @@ class Encoded:
 
     def __init__(self, header: bytes, tensors: list[torch.Tensor], views: list[memoryview], *,
                  block: int = DEFAULT_BLOCK, inline: bool = False, sources: list[torch.Tensor] | None = None,
-                 copied: list[bool] | None = None, keys: list[str] | None = None) -> None:
+                 copied: list[bool] | None = None, keys: list[str] | None = None,
+                 sizes: list[int] | None = None) -> None:
         self.header = header  #: prefix + JSON header, ready to send
         self._tensors = tensors
         self.views = views
@@ -64,15 +65,19 @@ class Encoded:
         self.sources = sources if sources is not None else list(tensors)
         self.copied = copied if copied is not None else [True] * len(tensors)
         self.keys = keys if keys is not None else [f"tensor {i}" for i in range(len(tensors))]
+        #: bytes of each tensor (a device tensor kept on its device has an empty view)
+        self.sizes = sizes if sizes is not None else [v.nbytes for v in views]
         self.starts: list[int] = []
         pos = 0
-        for v in views:
+        for n in self.sizes:
             self.starts.append(pos)
-            pos += v.nbytes
+            pos += n
         self.data_bytes = pos
+        #: tensors kept on their device (``encode(keep_device=...)``): no bytes to stream
+        self.on_device = [v.nbytes != n for v, n in zip(views, self.sizes)]
         #: (data start, length, tensor index, start within the tensor), as in the header
-        self.pieces = [(s + st, min(block, v.nbytes - st), i, st)
-                       for i, (s, v) in enumerate(zip(self.starts, views)) for st in range(0, v.nbytes, block)]
+        self.pieces = [(s + st, min(block, n - st), i, st)
+                       for i, (s, n) in enumerate(zip(self.starts, self.sizes)) for st in range(0, n, block)]
         self._piece_starts = [p[0] for p in self.pieces]
 
     def tensor(self, i: int) -> torch.Tensor:
@@ -105,6 +110,8 @@ class Encoded:
         end = self.data_bytes if end is None else end
         if not 0 <= start <= end <= self.data_bytes:
             raise ValueError(f"range [{start}, {end}) outside the data region of {self.data_bytes} bytes")
+        if any(self.on_device):
+            raise ValueError("tensors kept on their device cannot be streamed as bytes")
         if self.inline:
             yield from self._iter_inline(start, end)
             return
@@ -194,7 +201,8 @@ class Encoded:
 
 
 def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any] | None = None,
-           copy: bool = False, copy_below: int = 0, sums: str = "header") -> Encoded:
+           copy: bool = False, copy_below: int = 0, sums: str = "header",
+           keep_device: torch.device | None = None) -> Encoded:
     """Encode ``state_dict`` (nested dict/list/tuple of tensors and plain values).
 
     Non-contiguous or device tensors are copied to contiguous host memory (only the
@@ -203,8 +211,11 @@ def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any]
     or they are smaller than ``copy_below`` bytes, or they are inference tensors (no
     version counter to guard them with). ``sums="inline"``: no checksums are computed
     here (no pass over the whole state before serving); each piece's CRC-32 is computed
-    as it is streamed and follows it. Raises :class:`WireError` naming the key of a leaf
-    that is not allowed.
+    as it is streamed and follows it. ``keep_device``: contiguous tensors on that (CUDA)
+    device stay there, uncopied and unchecksummed (``"device": true`` in the header: a
+    process group moves them device to device, see ``PGTransport``); their views are
+    empty, so such an encoding cannot be streamed as bytes. Raises :class:`WireError`
+    naming the key of a leaf that is not allowed.
     """
     if block <= 0:
         raise ValueError("block must be positive")
@@ -213,6 +224,7 @@ def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any]
     sources: list[torch.Tensor] = []
     copied: list[bool] = []
     keys: list[str] = []
+    sizes: list[int] = []
     tensors: list[torch.Tensor] = []
     views: list[memoryview] = []
     specs: list[dict[str, Any]] = []
@@ -236,13 +248,22 @@ def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any]
         name = T.DTYPE_NAMES.get(local.dtype)
         if name is None:
             raise WireError(f"{key}: dtype {local.dtype} is not supported by the wire format", key=key)
-        t = T.sendable(local)
-        shared = t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-        if shared and (copy or t.numel() * t.element_size() < copy_below or t.is_inference()):
-            t = t.clone()
+        on_device = keep_device is not None and keep_device.type != "cpu" and local.device == keep_device
+        if on_device:
+            t = local.detach().contiguous()
+            if t.is_conj() or t.is_neg():
+                t = t.resolve_conj().resolve_neg()
             shared = False
-        view = T.byte_view(t)
-        n = view.nbytes
+            view = memoryview(b"")
+            n = t.numel() * t.element_size()
+        else:
+            t = T.sendable(local)
+            shared = t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+            if shared and (copy or t.numel() * t.element_size() < copy_below or t.is_inference()):
+                t = t.clone()
+                shared = False
+            view = T.byte_view(t)
+            n = view.nbytes
         specs.append(
             {
                 "key": key,
@@ -251,6 +272,7 @@ def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any]
                 "offset": offset,
                 "nbytes": n,
                 **({} if sums == "inline" else {"crc32": []}),  # filled in below, possibly in parallel
+                **({"device": True} if on_device else {}),
                 "param": bool(isinstance(x, torch.nn.Parameter) and x.requires_grad),
                 "dtensor": dmeta,
             }
@@ -260,6 +282,7 @@ def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any]
         sources.append(local)
         copied.append(not shared)
         keys.append(key)
+        sizes.append(n)
         offset += n
         return {"t": len(specs) - 1}
 
@@ -301,7 +324,7 @@ def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any]
 
     tree = walk(state_dict, (), 0)
     if sums == "header":
-        _fill_checksums(specs, views, block)
+        _fill_checksums(specs, views, block)  # device tensors: empty views, no sums
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -317,7 +340,7 @@ def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any]
     except (TypeError, ValueError) as exc:
         raise WireError(f"header cannot be encoded as JSON: {exc}") from None
     return Encoded(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw, tensors, views, block=block,
-                   inline=sums == "inline", sources=sources, copied=copied, keys=keys)
+                   inline=sums == "inline", sources=sources, copied=copied, keys=keys, sizes=sizes)
 
 
 

@@ -79,6 +79,8 @@ class TensorSpec:
     crcs: tuple[int, ...]
     param: bool
     dtensor: dict[str, Any] | None
+    #: sent from device memory by a process group: no checksums, received on a device
+    device: bool = False
 
     @property
     def key(self) -> str:
@@ -203,11 +205,17 @@ def parse_header(raw: bytes | bytearray | memoryview, min_block: int = 1, max_da
         if type(s.get("offset")) is not int or s["offset"] != offset:
             key = key_str(paths[i])
             raise WireError(f"{key}: offset {s.get('offset')} disagrees with the sizes before it ({offset})", key=key)
-        crcs: Any = s.get("crc32", [] if inline else None)
+        on_device = s.get("device", False)
+        if type(on_device) is not bool:
+            raise _bad("device must be true or false", key_str(paths[i]))
+        crcs: Any = s.get("crc32", [] if inline or on_device else None)
+        if on_device and crcs != []:
+            key = key_str(paths[i])
+            raise WireError(f"{key}: checksums for a tensor sent from device memory", key=key)
         if inline and crcs != []:
             key = key_str(paths[i])
             raise WireError(f"{key}: checksums in the header of an inline-checksum stream", key=key)
-        if not isinstance(crcs, list) or (not inline and len(crcs) != -(-nbytes // block)):
+        if not isinstance(crcs, list) or (not inline and not on_device and len(crcs) != -(-nbytes // block)):
             key = key_str(paths[i])
             raise WireError(f"{key}: expected {-(-nbytes // block)} checksums", key=key)
         for c in crcs:
@@ -218,9 +226,10 @@ def parse_header(raw: bytes | bytearray | memoryview, min_block: int = 1, max_da
             raise _bad("dtensor must be an object or null", key_str(paths[i]))
         for j in range(-(-nbytes // block)):
             st = j * block
-            pieces.append((offset + st, min(block, nbytes - st), i, st, -1 if inline else crcs[j]))
+            pieces.append((offset + st, min(block, nbytes - st), i, st, -1 if inline or on_device else crcs[j]))
         tensors.append(
-            TensorSpec(i, paths[i], dtype, shape_t, offset, nbytes, tuple(crcs), s.get("param") is True, dmeta)
+            TensorSpec(i, paths[i], dtype, shape_t, offset, nbytes, tuple(crcs), s.get("param") is True, dmeta,
+                       on_device)
         )
         offset += nbytes
     if offset != data_bytes:

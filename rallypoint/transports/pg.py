@@ -42,9 +42,13 @@ refuse), the transport calls ``pg.abort()``: messages left in flight would other
 in later operations (or in the target's memory); reconfigure the group before reusing it
 (the manager does so on its next quorum). A failed *send* does not abort the group.
 
-CUDA: with ``device=cuda`` (NCCL) every message is staged through a device buffer (the
-checksums are computed on the host). CUDA tensors of the state dict are encoded through
-host memory; CUDA targets of ``into=`` are filled from a host staging copy.
+CUDA: with ``device=cuda`` (NCCL), tensors of the state dict on that device are sent from
+their own device memory and received into device memory (the matching tensor of
+``into=`` on that device, in place, else a fresh device tensor): no host copy on either
+side. They carry no CRC-32 (``"device": true`` in the header; NCCL moves them device to
+device and a checksum would need the bytes on the host); a receiver without a device
+refuses such a header. Host tensors of such a state dict travel as on gloo, staged
+through a device buffer, with their checksums.
 """
 
 from __future__ import annotations
@@ -112,8 +116,10 @@ class Message:
     direct: bool
 
 
-def plan_messages(sizes: list[int], direct_bytes: int = DIRECT_BYTES, pack_bytes: int = PACK_BYTES) -> list[Message]:
-    """The data messages for tensors of ``sizes`` bytes (both sides compute the same)."""
+def plan_messages(sizes: list[int], direct_bytes: int = DIRECT_BYTES, pack_bytes: int = PACK_BYTES,
+                  on_device: list[bool] | None = None) -> list[Message]:
+    """The data messages for tensors of ``sizes`` bytes (both sides compute the same).
+    A tensor sent from device memory (``on_device``) is always its own message."""
     out: list[Message] = []
     run_first, run_bytes, run_start = 0, 0, 0
     off = 0
@@ -123,7 +129,7 @@ def plan_messages(sizes: list[int], direct_bytes: int = DIRECT_BYTES, pack_bytes
             out.append(Message(run_first, upto, run_start, run_bytes, False))
 
     for i, n in enumerate(sizes):
-        if n >= direct_bytes:
+        if n >= direct_bytes or (on_device is not None and on_device[i] and n):
             flush(i)
             out.append(Message(i, i + 1, off, n, True))
             run_first, run_bytes, run_start = i + 1, 0, off + n
@@ -260,11 +266,11 @@ class PGTransport(CheckpointTransport[Any]):
         (the others were served)."""
         dl = _Deadline(timeout or self._timeout)
         stats = self.last_send = TransferStats(peers=list(dst_ranks))
-        enc = encode(state_dict, extra={"step": int(step)})
+        enc = encode(state_dict, extra={"step": int(step)}, keep_device=self._device if self._on_device else None)
         prefix = torch.frombuffer(bytearray(enc.header[:PREFIX_BYTES]), dtype=torch.uint8)
         body_bytes = enc.header[PREFIX_BYTES:]
         body = torch.frombuffer(bytearray(body_bytes), dtype=torch.uint8) if body_bytes else None
-        plan = plan_messages([v.nbytes for v in enc.views])
+        plan = plan_messages(enc.sizes, on_device=enc.on_device)
         errors: dict[int, str] = {}
 
         # 1. every destination's request (posted at once, awaited in order)
@@ -399,7 +405,8 @@ class PGTransport(CheckpointTransport[Any]):
                     f"step mismatch: asked rank {src} for the checkpoint of step {step}, it serves step {sent_step}; "
                     "the quorum's recovery assignment is stale: rejoin the next quorum"
                 )
-            sink = Sink(header, into=into, in_place=in_place, mesh=mesh)
+            sink = Sink(header, into=into, in_place=in_place, mesh=mesh,
+                        device=self._device if self._on_device else None)
             self._recv_data(src, header, sink, dl, stats)
             may_be_in_flight = False
             result = sink.finish()
@@ -424,7 +431,7 @@ class PGTransport(CheckpointTransport[Any]):
         return result
 
     def _recv_data(self, src: int, header: Any, sink: Sink, dl: _Deadline, stats: TransferStats) -> None:
-        plan = plan_messages([t.nbytes for t in header.tensors])
+        plan = plan_messages([t.nbytes for t in header.tensors], on_device=[t.device for t in header.tensors])
         pieces_of: dict[int, list[int]] = collections.defaultdict(list)
         for pi, p in enumerate(header.pieces):
             pieces_of[p[2]].append(pi)
@@ -453,9 +460,11 @@ class PGTransport(CheckpointTransport[Any]):
                 dest = sink.destination(ti)
                 if sink.writes_into_target(ti):
                     sink.target_touched = True
-                buf = torch.empty(m.nbytes, dtype=torch.uint8, device=self._device) if self._on_device else _u8(dest)
-                if not self._on_device:
+                if not self._on_device or dest.device == self._device:
+                    buf = _u8(dest)  # straight into its storage: host for gloo, the device for NCCL
                     dest = buf
+                else:
+                    buf = torch.empty(m.nbytes, dtype=torch.uint8, device=self._device)
             else:
                 buf = torch.empty(m.nbytes, dtype=torch.uint8, device=self._device)
             inflight.append((self._pg.recv([buf], src, TAG), m, buf, dest))

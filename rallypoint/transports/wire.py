@@ -149,7 +149,8 @@ class Sink:
     constructor, before anything is written. See the module docstring for memory/safety.
     """
 
-    def __init__(self, header: Header, *, into: Any = None, in_place: bool = False, mesh: Any = None) -> None:
+    def __init__(self, header: Header, *, into: Any = None, in_place: bool = False, mesh: Any = None,
+                 device: torch.device | None = None) -> None:
         self.header = header
         self._lock = threading.Lock()
         self._verified = bytearray(len(header.pieces))
@@ -162,7 +163,12 @@ class Sink:
         self._direct: list[bool] = []
         self._meshes: list[Any] = []
         self._piece_starts = [p[0] for p in header.pieces]
+        if device is not None and device.type == "cpu":
+            device = None
         for spec in header.tensors:
+            if spec.device and device is None:
+                raise WireError(f"{spec.key}: sent from device memory; only a receiver on a device "
+                                "(PGTransport with device=cuda) takes it", key=spec.key)
             tgt: Any = _lookup(into, spec.path) if into is not None else None
             leaf = tgt
             if spec.dtensor is not None:
@@ -178,16 +184,19 @@ class Sink:
                 and tgt.dtype == spec.dtype
                 and tuple(tgt.shape) == spec.shape
             )
-            direct = ok and in_place and tgt.device.type == "cpu" and tgt.is_contiguous() and not tgt.is_conj()
+            where = device if spec.device else torch.device("cpu")
+            direct = ok and in_place and tgt.device == where and tgt.is_contiguous() and not tgt.is_conj()
             if into is not None and not ok:
                 logger.debug("%s: no matching tensor in the target; receiving into a new one", spec.key)
             if direct:
                 dest = tgt.detach()
+            elif spec.device:
+                dest = torch.empty(spec.shape, dtype=spec.dtype, device=where)
             else:
                 dest = torch.empty(spec.shape, dtype=spec.dtype)
                 T.advise_huge_pages(dest)
             self._dest.append(dest)
-            self._views.append(T.byte_view(dest))
+            self._views.append(memoryview(b"") if spec.device else T.byte_view(dest))
             self._target.append(tgt.detach() if ok else None)
             self._target_leaf.append(leaf if ok else None)
             self._direct.append(direct)
@@ -228,7 +237,16 @@ class Sink:
 
     def verify_tensor(self, ti: int, pieces: list[int]) -> None:
         """Check ``pieces`` of tensor ``ti`` after it was filled. Views are taken afresh:
-        a process group may have moved the storage meanwhile (BabyGloo shares in place)."""
+        a process group may have moved the storage meanwhile (BabyGloo shares in place).
+        A tensor sent from device memory has no checksums (the process group moved it
+        device to device): its pieces count as verified once it arrived."""
+        if self.header.tensors[ti].device:
+            with self._lock:
+                for pi in pieces:
+                    if not self._verified[pi]:
+                        self._verified[pi] = 1
+                        self._nverified += 1
+            return
         self._views[ti] = T.byte_view(self.destination(ti))
         for pi in pieces:
             self._verify(pi)
@@ -236,6 +254,9 @@ class Sink:
     def _verify(self, pi: int, crc: int | None = None) -> None:
         """Check piece ``pi`` against ``crc`` (inline) or the header's checksum."""
         ds, ln, ti, st, hcrc = self.header.pieces[pi]
+        if self.header.tensors[ti].device:
+            raise WireError(f"{self.header.tensors[ti].key}: sent from device memory, not as a byte stream",
+                            key=self.header.tensors[ti].key)
         crc = hcrc if crc is None else crc
         got = crc32(self._views[ti][st : st + ln])
         if got != crc:
