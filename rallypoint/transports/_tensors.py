@@ -99,6 +99,31 @@ def advise_huge_pages(t: torch.Tensor) -> None:
         _madvise(start, end - start, _MADV_HUGEPAGE)
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def populate(t: torch.Tensor) -> None:
+    """Map a fresh receive buffer's pages now, in one system call, before bytes arrive.
+
+    Why: a page first touched inside ``recv_into`` (the kernel copying socket data into
+    it) or a process group's receive faults in the kernel's copy, which measured several
+    times slower here than mapping the same pages up front: a fresh 1 GB receive took
+    1.6 s cold and 0.54 s with the pages mapped first; already-mapped memory costs
+    ~0.05 s per GB to check. Best effort: a no-op off Linux, on kernels without
+    ``MADV_POPULATE_WRITE``, and for small tensors.
+    """
+    n = t.numel() * t.element_size()
+    if _madvise is None or n < 2 * _PAGE or t.device.type != "cpu":
+        return
+    start = (t.data_ptr() + _PAGE - 1) & ~(_PAGE - 1)
+    end = (t.data_ptr() + n) & ~(_PAGE - 1)
+    if end > start:
+        _madvise(start, end - start, _MADV_POPULATE_WRITE)
+
+
+_PAGE = 4096
+
+
 def sendable(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with the same values as ``t``, without autograd.
 

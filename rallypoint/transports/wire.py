@@ -195,6 +195,7 @@ class Sink:
             else:
                 dest = torch.empty(spec.shape, dtype=spec.dtype)
                 T.advise_huge_pages(dest)
+                T.populate(dest)
             self._dest.append(dest)
             self._views.append(memoryview(b"") if spec.device else T.byte_view(dest))
             self._target.append(tgt.detach() if ok else None)
