@@ -341,3 +341,122 @@ def test_a_peer_leaving_fails_only_collectives_it_could_block(lighthouse_factory
         m1.shutdown()
         for pg in pgs:
             pg.shutdown()
+
+
+class _Cutter:
+    """A TCP relay to ``target`` on 127.0.0.1 (port 0, read back) that can cut every
+    connection and refuse new ones while ``down`` is set: a lighthouse outage without
+    stopping the lighthouse (so the same address comes back)."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        import socket
+        import threading
+
+        self.target = target
+        self.down = threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[Any] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.down.is_set():
+                c.close()
+                continue
+            try:
+                u = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                c.close()
+                continue
+            with self.lock:
+                self.conns += [c, u]
+            for a, b in ((c, u), (u, c)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: Any, b: Any) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        import socket
+
+        self.down.set()
+        with self.lock:
+            conns, self.conns = self.conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+        self.cut()
+
+
+def test_lighthouse_outage_backs_off_says_so_once_and_resumes(lighthouse_factory,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """While no lighthouse answers, a group fails steps about once a second (not ~40 a
+    second), says so once, and commits again as soon as the lighthouse is back."""
+    import logging
+    from datetime import timedelta
+
+    import torch
+
+    from rallypoint.manager import Manager
+    from rallypoint.process_groups import ProcessGroupGloo
+
+    lh = lighthouse_factory(min_replicas=1, join_timeout_ms=100)
+    host, port = lh.address().split("://")[-1].rsplit(":", 1)
+    relay = _Cutter((host, int(port)))
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+    m = Manager(pg, lambda sd: None, dict, min_replica_size=1, hostname="127.0.0.1", store_addr="127.0.0.1",
+                store_port=0, rank=0, world_size=1, lighthouse_addr=f"http://127.0.0.1:{relay.port}",
+                replica_id="outage", timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=5),
+                connect_timeout=timedelta(seconds=5))
+
+    def step() -> bool:
+        m.start_quorum()
+        m.allreduce(torch.ones(2)).wait()
+        return m.should_commit()
+
+    try:
+        assert step()
+        relay.cut()
+        t0, failed = time.monotonic(), 0
+        with caplog.at_level(logging.WARNING, logger="rallypoint.manager"):
+            while time.monotonic() - t0 < 3.0:
+                assert not step()
+                failed += 1
+        assert 2 <= failed <= 12, failed  # ~40 per second without the backoff
+        said = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        relay.down.clear()
+        deadline = time.monotonic() + 15
+        while not step():
+            assert time.monotonic() < deadline, "no commit after the lighthouse came back"
+        assert "get through again" in caplog.text or any("get through again" in r.getMessage()
+                                                          for r in caplog.records)
+    finally:
+        m.shutdown()
+        pg.shutdown()
+        relay.close()

@@ -43,6 +43,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
@@ -68,6 +69,8 @@ log = logging.getLogger("rallypoint.manager")
 # torchft 0.2 reports a quorum timeout with its gRPC status text; callers (and torchft's
 # own tests) match it, so rallypoint's timeout messages carry the same words.
 TORCHFT_TIMEOUT_STATUS = 'status: Cancelled, message: "Timeout expired"'
+#: The longest a quorum waits before asking again while no quorum call gets through.
+OUTAGE_PAUSE_MAX_S = 1.0
 
 
 class Manager(FailFast, GroupConnection):
@@ -144,6 +147,13 @@ class Manager(FailFast, GroupConnection):
         self._healing = False
         self._pending_state_dict: dict[str, Any] | None = None
         self._heal_plan: QuorumResult | None = None  # a heal to serve/fetch on the training thread
+        # While no quorum call gets through (the lighthouse, or our group's server, is
+        # down or unreachable), each new quorum waits this long first, doubling up to
+        # OUTAGE_PAUSE_MAX_S: a failed step a second, not ~40 (issue 16's "also found").
+        self._outage_pause = 0.0
+        self._outage_since: float | None = None
+        self._outage_failures = 0
+        self._closing = threading.Event()
         self._served_round = -1  # the round the training thread last served a heal in
         self._works: list[ManagedWork] = []  # this round's collectives (for _on_peer_down)
         self._works_lock = threading.Lock()
@@ -268,6 +278,8 @@ class Manager(FailFast, GroupConnection):
 
     def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout: timedelta) -> None:
         assert self._client is not None
+        if self._outage_pause:
+            self._closing.wait(self._outage_pause)  # the bounded backoff; shutdown ends it
         try:
             q = self._client._quorum(
                 group_rank=self._group_rank,
@@ -279,7 +291,10 @@ class Manager(FailFast, GroupConnection):
                 init_sync=self._init_sync,
             )
         except Exception as e:  # noqa: BLE001
-            self._log.warning("quorum failed: %s", e)
+            if isinstance(e, ConnectionError):
+                self._outage(e)
+            else:
+                self._log.warning("quorum failed: %s", e)
             self._participating_rank, self._participating_world_size = None, 0
             if isinstance(e, ValueError):
                 # A configuration error (e.g. groups of different sizes): retrying cannot fix it.
@@ -293,6 +308,10 @@ class Manager(FailFast, GroupConnection):
                 )
             self.report_error(e)
             return
+        if self._outage_since is not None:
+            self._log.warning("quorum calls get through again after %.1f s and %d failed steps",
+                              time.monotonic() - self._outage_since, self._outage_failures)
+            self._outage_since, self._outage_failures, self._outage_pause = None, 0, 0.0
         self._last_quorum = q
         self._quorum_round = self._round
         if self._use_async_quorum or not allow_heal:
@@ -340,6 +359,18 @@ class Manager(FailFast, GroupConnection):
         except Exception as e:  # noqa: BLE001
             self._log.warning("recovery failed: %s", e)
             self.report_error(e)
+
+    def _outage(self, e: Exception) -> None:
+        """A quorum call could not get through: say so once, then back off (bounded)."""
+        self._outage_failures += 1
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+            self._log.warning("quorum failed: %s; the lighthouse (or this group's manager server) is unreachable: "
+                              "failing steps at most every %.0f s until a quorum call gets through", e,
+                              OUTAGE_PAUSE_MAX_S)
+        else:
+            self._log.debug("quorum failed again (%d in a row): %s", self._outage_failures, e)
+        self._outage_pause = min(max(0.05, 2 * self._outage_pause), OUTAGE_PAUSE_MAX_S)
 
     def _heal_here(self) -> None:
         """Serve and/or fetch this quorum's heal on the calling (training) thread; only
@@ -528,6 +559,7 @@ class Manager(FailFast, GroupConnection):
     def shutdown(self, wait: bool = True) -> None:
         """Stop the quorum thread, the transport, the client and (rank 0) the server."""
         _progress.finished(self.current_step())  # a supervising `rallypoint run` stops timing this rank
+        self._closing.set()
         self._executor.shutdown(wait=wait, cancel_futures=True)
         if self._relay is not None:
             self._relay.close()
