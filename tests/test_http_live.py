@@ -229,3 +229,19 @@ def test_every_source_failing_is_one_clear_error(transports: Callable[..., HTTPT
     assert a.metadata() in str(ei.value) and b.metadata() in str(ei.value)
     with pytest.raises(TransferError, match="not an http"):
         transports().recv_checkpoint(0, f"{a.metadata()},file:///etc/passwd", 1, TEN)
+
+
+def test_a_source_that_publishes_late_never_holds_up_the_receive(transports: Callable[..., HTTPTransport]) -> None:
+    """The first source serves it all while the second has not published yet: the
+    receive returns without waiting for it (its worker stops at once), and the late
+    source is told done, so it will not keep a frozen copy for nobody."""
+    first = transports(copy_below=0, **SMALL_BLOCKS)
+    late = transports(copy_below=0, **SMALL_BLOCKS)
+    sd = make_state(26)
+    first.send_checkpoint([1], 1, sd, TEN)
+    dst = transports(**MANY_RANGES)
+    assert_same(sd, dst.recv_checkpoint(0, f"{first.metadata()},{late.metadata()}", 1, TEN))
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("rp-http-recv")]
+    assert not alive, alive  # no worker left waiting for the late source's header
+    first.disallow_checkpoint()
+    assert first._served is None  # told done: withdrawn, nothing copied

@@ -77,6 +77,7 @@ class _Source:
     base: str
     where: str
     ready: bool = False  # its header matched the first source's
+    joining: bool = False  # one of its workers is asking for its header
     dead: str | None = None  # why it was dropped
     failures: int = 0
     served: int = 0  # ranges it delivered
@@ -155,7 +156,9 @@ class Receive:
             except httpx.HTTPError as exc:
                 logger.debug("%s: could not say done: %s", src.where, exc)
 
-        live = [s for s in self.sources if s.ready and s.dead is None]
+        # Every source still up, used or not: one that was asked for its header counts
+        # the receive as started and would otherwise keep (and copy) its state.
+        live = [s for s in self.sources if s.dead is None]
         if len(live) == 1:
             done(live[0])
             return
@@ -164,12 +167,16 @@ class Receive:
 
     # ---------------------------------------------------------------- headers
 
-    def _await_header(self, client: httpx.Client, src: _Source, deadline: float) -> bytes:
-        """The header, asking again while the source has not published this step yet."""
+    def _await_header(self, client: httpx.Client, src: _Source, deadline: float,
+                      stop: threading.Event | None = None) -> bytes:
+        """The header, asking again while the source has not published this step yet
+        (until ``stop``: the receive is complete without this source)."""
         pw = self.t._publish_wait
         give_up = deadline if pw is None else min(deadline, time.monotonic() + pw)
         pause = 0.005
         while True:
+            if stop is not None and stop.is_set():
+                raise TransferError(f"{src.where}: not needed any more")
             try:
                 return self._get_header(client, src, deadline)
             except SourceRefused as exc:
@@ -194,25 +201,36 @@ class Receive:
                     raise TransferError(f"{src.where}: header larger than the limit of {self.t._max_header} bytes")
             return bytes(buf)
 
-    def _join(self, client: httpx.Client, src: _Source) -> bool:
-        """Whether ``src`` may serve ranges: its header must be the first source's."""
+    def _join(self, client: httpx.Client, src: _Source, cv: threading.Condition, stop: threading.Event) -> bool:
+        """Whether ``src`` may serve ranges: its header must be the first source's. One of
+        the source's workers asks; the others wait for its answer."""
         import httpx
 
-        with self.lock:
-            if src.ready or src.dead is not None:
-                return src.dead is None
+        with cv:
+            while src.joining and not (src.ready or src.dead is not None or stop.is_set()):
+                cv.wait(0.05)
+            if src.ready or src.dead is not None or stop.is_set():
+                return src.dead is None and src.ready
+            src.joining = True
         try:
-            raw = self._await_header(client, src, min(self.deadline, time.monotonic() + SECONDARY_PUBLISH_WAIT_S))
+            raw = self._await_header(client, src, min(self.deadline, time.monotonic() + SECONDARY_PUBLISH_WAIT_S),
+                                     stop)
         except (httpx.HTTPError, TransferError) as exc:
-            self._drop(src, f"no header: {exc}")
+            if not stop.is_set():
+                self._drop(src, f"no header: {exc}")
+            with cv:
+                src.joining = False
+                cv.notify_all()
             return False
-        with self.lock:
+        with cv:
+            src.joining = False
             if raw != self.header_raw:
                 src.dead = src.dead or "it serves a different state (its header differs from the first source's)"
                 logger.warning("%s: left out of the striped heal: %s", src.where, src.dead)
-                return False
-            src.ready = True
-            return src.dead is None
+            else:
+                src.ready = True
+            cv.notify_all()
+            return src.dead is None and src.ready
 
     def _drop(self, src: _Source, why: str) -> None:
         with self.lock:
@@ -236,7 +254,7 @@ class Receive:
         errors: list[BaseException] = []
 
         def worker(src: _Source) -> None:
-            if src is not self.sources[0] and not self._join(client, src):
+            if src is not self.sources[0] and not self._join(client, src, cv, stop):
                 with cv:
                     cv.notify_all()
                 return
