@@ -90,13 +90,19 @@ def advise_huge_pages(t: torch.Tensor) -> None:
     advice). Only the 2 MiB-aligned interior is advised; a no-op where THP is off, for
     small tensors, and off Linux. Best effort: a failure changes nothing but speed.
     """
+    _advise_interior(t, _HUGE, _MADV_HUGEPAGE)
+
+
+def _advise_interior(t: torch.Tensor, unit: int, advice: int) -> None:
+    """``madvise(advice)`` over the ``unit``-aligned interior of a CPU tensor's bytes
+    (tensors under two units, non-CPU tensors, and platforms without madvise: nothing)."""
     n = t.numel() * t.element_size()
-    if _madvise is None or n < 2 * _HUGE or t.device.type != "cpu":
+    if _madvise is None or n < 2 * unit or t.device.type != "cpu":
         return
-    start = (t.data_ptr() + _HUGE - 1) & ~(_HUGE - 1)
-    end = (t.data_ptr() + n) & ~(_HUGE - 1)
+    start = (t.data_ptr() + unit - 1) & ~(unit - 1)
+    end = (t.data_ptr() + n) & ~(unit - 1)
     if end > start:
-        _madvise(start, end - start, _MADV_HUGEPAGE)
+        _madvise(start, end - start, advice)
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
@@ -112,13 +118,7 @@ def populate(t: torch.Tensor) -> None:
     ~0.05 s per GB to check. Best effort: a no-op off Linux, on kernels without
     ``MADV_POPULATE_WRITE``, and for small tensors.
     """
-    n = t.numel() * t.element_size()
-    if _madvise is None or n < 2 * _PAGE or t.device.type != "cpu":
-        return
-    start = (t.data_ptr() + _PAGE - 1) & ~(_PAGE - 1)
-    end = (t.data_ptr() + n) & ~(_PAGE - 1)
-    if end > start:
-        _madvise(start, end - start, _MADV_POPULATE_WRITE)
+    _advise_interior(t, _PAGE, _MADV_POPULATE_WRITE)
 
 
 _PAGE = 4096
