@@ -350,9 +350,10 @@ class Manager(FailFast, GroupConnection):
             return
         try:
             if self._healer.serves(q):
-                # Served now, so the healing peer finds it as soon as it asks (a copy:
-                # see _heal.py); withdrawn in should_commit. User state_dict callbacks
-                # therefore run on this thread (heal_on_training_thread moves them).
+                # Served now, so the healing peer finds it as soon as it asks (guarded
+                # by the transport: see _heal.py); frozen or withdrawn in should_commit.
+                # User state_dict callbacks therefore run on this thread
+                # (heal_on_training_thread moves them).
                 self._healer.serve(q, self._manager_state_dict())
             if q.heal:
                 self._pending_state_dict = self._healer.fetch(q)
@@ -374,7 +375,7 @@ class Manager(FailFast, GroupConnection):
 
     def _heal_here(self) -> None:
         """Serve and/or fetch this quorum's heal on the calling (training) thread; only
-        with ``heal_on_training_thread``. The sender serves a copy even when its step
+        with ``heal_on_training_thread``. The sender serves its state even when its step
         failed (that state is still the step's state) so the healing peer is not left
         waiting for a publication that never comes."""
         q, self._heal_plan = self._heal_plan, None
