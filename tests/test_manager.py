@@ -322,7 +322,7 @@ def test_a_peer_leaving_fails_only_collectives_it_could_block(lighthouse_factory
         if when == "after_collectives":
             assert m1.should_commit() is True
         m1.shutdown()
-        wait_until(lambda: m0._lost_peer is not None, 10, what="the survivor told that leave1 is gone")
+        wait_until(lambda: m0._ff._lost_peer is not None, 10, what="the survivor told that leave1 is gone")
         if when == "after_collectives":
             assert m0.should_commit() is True and m0.current_step() == 1
         else:

@@ -298,10 +298,11 @@ class _Work:
 
 
 def _failfast(grace: float):
-    """A FailFast with the state the Manager gives it: quorum 7 formed with peer "b", one
-    collective in flight, a process group that records aborts."""
+    """A FailFast as the Manager leaves it mid-step: quorum 7 formed with peer "b" and
+    set up, one collective in flight, a process group that records aborts."""
     import logging
     import threading
+    from datetime import timedelta
 
     from rallypoint.manager._failfast import FailFast
 
@@ -311,36 +312,58 @@ def _failfast(grace: float):
         def abort(self) -> None:
             self.aborted.set()
 
-    ff = FailFast()
+    ff = FailFast(PG(), logging.LoggerAdapter(logging.getLogger("test"), {}), "a", timedelta(seconds=5))  # type: ignore[arg-type]
     ff.goodbye_grace_s = grace
-    ff.__dict__.update(
-        _err_lock=threading.Lock(), _errored=None, _aborted_quorum=None, _quorum_id=7, _step=3, _pg=PG(),
-        _log=logging.LoggerAdapter(logging.getLogger("test"), {}), _group_rank=1, _relay=None, _replica_id="a",
-        _quorum_future=None, _last_quorum=type("Q", (), {"replica_ids": ["a", "b"]})(), _quorum_round=1, _round=1,
-        _works=[_Work()], _works_lock=threading.Lock(), _lost_peer=None, _heal_busy=False,
-    )
-    return ff
+    ff.new_round(1, 3)
+    ff.quorum_id = 7
+    ff.quorum_arrived(["a", "b"])
+    ff.setup_done()
+    work = ff.add_work(_Work)
+    assert isinstance(work, _Work)
+    return ff, work
 
 
 def test_a_peer_that_crashes_mid_collective_aborts_at_once() -> None:
-    ff = _failfast(grace=30.0)
-    ff._on_peer_down("b", "stream_broken: connection lost")
-    assert ff._pg.aborted.is_set() and "went down" in str(ff.errored())
+    ff, _ = _failfast(grace=30.0)
+    ff.peer_down("b", "stream_broken: connection lost")
+    assert ff.pg.aborted.is_set() and "went down" in str(ff.errored())
 
 
 def test_a_goodbye_mid_collective_lets_the_collective_finish() -> None:
     """A peer ending its job a moment before us: our collective, whose data it has sent,
     finishes within the grace and the step is not failed."""
-    ff = _failfast(grace=0.3)
-    ff._on_peer_down("b", "goodbye: shutdown")
-    ff._works[0].done = True
-    assert not ff._pg.aborted.wait(1.0) and ff.errored() is None
+    ff, work = _failfast(grace=0.3)
+    ff.peer_down("b", "goodbye: shutdown")
+    work.done = True
+    assert not ff.pg.aborted.wait(1.0) and ff.errored() is None
 
 
 def test_a_goodbye_mid_collective_aborts_after_the_grace_if_it_does_not_finish() -> None:
     """A peer that left mid-step (shutdown from an exception handler): the collective that
     still waits for it is aborted after the grace, not after the full timeout."""
-    ff = _failfast(grace=0.2)
-    ff._on_peer_down("b", "goodbye: shutdown")
-    assert not ff._pg.aborted.is_set()
-    assert ff._pg.aborted.wait(10.0) and "went down" in str(ff.errored())
+    ff, _ = _failfast(grace=0.2)
+    ff.peer_down("b", "goodbye: shutdown")
+    assert not ff.pg.aborted.is_set()
+    assert ff.pg.aborted.wait(10.0) and "went down" in str(ff.errored())
+
+
+def test_a_peer_down_while_the_quorum_forms_aborts_nothing() -> None:
+    """The lighthouse leaves the dead peer out of the quorum being formed: nothing to abort."""
+    ff, _ = _failfast(grace=30.0)
+    ff.new_round(2, 4)  # the next round: its quorum has not arrived yet
+    ff.peer_down("b", "stream_broken: connection lost")
+    assert not ff.pg.aborted.is_set() and ff.errored() is None
+
+
+def test_a_peer_down_after_the_collectives_fails_only_a_later_collective() -> None:
+    """A peer that leaves after our collectives finished does not fail a complete step; a
+    collective posted later in the same round fails at once instead of hanging, and the
+    next round starts clean."""
+    ff, work = _failfast(grace=30.0)
+    work.done = True
+    ff.peer_down("b", "stream_broken: connection lost")
+    assert not ff.pg.aborted.is_set() and ff.errored() is None
+    assert ff.add_work(_Work) is None  # refused: it could never finish
+    assert ff.pg.aborted.is_set() and "went down" in str(ff.errored())
+    ff.new_round(2, 4)
+    assert ff.errored() is None and ff.works() == []

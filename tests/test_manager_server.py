@@ -8,6 +8,7 @@ differential check of our answers against torchft's own ``ManagerServer``).
 
 from __future__ import annotations
 
+import json
 import select
 import subprocess
 import sys
@@ -19,8 +20,10 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import grpc
 import pytest
 
+from conftest import wait_until
 from rallypoint.lighthouse.server import LighthouseServer
 from rallypoint.manager.client import ManagerClient
 from rallypoint.manager.recovery import QuorumResult
@@ -446,3 +449,47 @@ def test_our_result_type_round_trips() -> None:
     assert asdict(result_from_pb(result_to_pb(r))) == asdict(r)
     r2 = QuorumResult(3, 0, 2, "", None, [1], "s:1", 9, 0, 1, False, 0, ["a", "b"])
     assert asdict(result_from_pb(result_to_pb(r2))) == asdict(r2)
+
+
+# ------------------------------------------------------------------ step stats
+def test_the_lighthouse_gets_the_slower_ranks_step_stats(cluster: Cluster) -> None:
+    """Rank 1 over gRPC (the x-rallypoint-step-stats metadata) and rank 0 in process both
+    report; the lighthouse's request data carries the slower rank's stats."""
+    from rallypoint.manager._local import LocalManagerClient
+
+    lh = cluster.lighthouse(min_replicas=1)
+    s = cluster.server(lh.address(), "stats")
+    slow = {"step": 4, "round": 2, "outcome": "committed", "step_s": 3.0, "compute_s": 2.5, "comm_s": 0.25}
+    res = ok(concurrently(
+        lambda: LocalManagerClient(s)._quorum(0, 5, "", False, 5.0, step_stats={"step": 4, "compute_s": 1}),
+        lambda: cluster.client(s.address())._quorum(1, 5, "", False, 5.0, step_stats=slow)))
+    assert [r.replica_ids for r in res] == [["stats"], ["stats"]]
+    assert lh.core.previous is not None
+    data = json.loads(lh.core.previous.members[0].data)
+    assert data["step_stats"] == {**slow, "rank": 1} and data["step"] == 5 and data["group_world_size"] == 2
+
+
+@pytest.mark.parametrize("header, field", [('{"compute_s":-1}', "'compute_s'"), ('{"colour":"red"}', "'colour'")])
+def test_bad_step_stats_are_refused_and_change_nothing(cluster: Cluster, header: str, field: str) -> None:
+    from rallypoint._proto import torchft_pb2 as pb
+    from rallypoint.manager._local import LocalManagerClient
+
+    lh = cluster.lighthouse(min_replicas=1)
+    s = cluster.server(lh.address(), "strict")
+    with ThreadPoolExecutor(1) as pool:
+        rank0 = pool.submit(LocalManagerClient(s)._quorum, 0, 3, "http://rank0:1", False, 10.0)
+        wait_until(lambda: 3 in s._rounds and 0 in s._rounds[3].requests, what="rank 0 in the round")
+        channel = grpc.insecure_channel(s.address().split("://")[1])
+        call = channel.unary_unary("/torchft.ManagerService/Quorum",
+                                   request_serializer=pb.ManagerQuorumRequest.SerializeToString,
+                                   response_deserializer=pb.ManagerQuorumResponse.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            call(pb.ManagerQuorumRequest(group_rank=1, step=3, checkpoint_metadata="http://evil:1"), timeout=5,
+                 metadata=[("x-rallypoint-step-stats", header), ("x-rallypoint-rank-key", "k" * 32)])
+        channel.close()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+        assert list(s._rounds) == [3] and list(s._rounds[3].requests) == [0] and list(s._rounds[3].stats) == [0]
+        assert 1 not in s._metadata and 1 not in s._rank_keys
+        # The round still completes with rank 1's good request.
+        good = cluster.client(s.address())._quorum(1, 3, "http://rank1:1", False, 5.0, step_stats={"compute_s": 0.5})
+        assert good.replica_ids == rank0.result(10).replica_ids == ["strict"]

@@ -40,7 +40,7 @@ class GroupConnection:
     _store: PrefixStore
     _store_host: str
     _store_port: int
-    _on_peer_down: Callable[[str, str], None]  # FailFast's: what a peer's death does here
+    _on_peer_down: Callable[[str, str], None]  # what a peer's death does here (FailFast decides)
 
     def _connect(
         self,

@@ -1,6 +1,6 @@
-"""Fail fast when a peer dies: the part of the ``Manager`` that records a step's errors
-and aborts the cross-replica process group, so that collectives blocked on a dead peer
-fail now instead of after the full collective timeout.
+"""Fail fast when a peer dies: the component of the ``Manager`` that records a step's
+errors and aborts the cross-replica process group, so that collectives blocked on a dead
+peer fail now instead of after the full collective timeout.
 
 Two sources: the first collective error of a step (a work's ``wait``), and the
 lighthouse's notice that a member of the current quorum died (the liveness stream on
@@ -14,17 +14,21 @@ flight gets ``goodbye_grace_s`` before the abort: a goodbye comes between the pe
 steps, so it has done its part and ours normally finish within milliseconds (aborting at
 once failed the last step of a replica a moment slower than its peers at the end of a job).
 
-A mixin: :class:`rallypoint.manager.manager.Manager` owns the state it reads.
+Why a component with its own state: the notice arrives on another thread at any moment,
+and what it may abort depends on a handful of facts about the current round (has its
+quorum arrived, is the quorum thread still setting up, which collectives are in flight).
+The Manager tells this object those facts as they happen (:meth:`new_round`,
+:meth:`quorum_arrived`, :meth:`setup_done`, :meth:`add_work`); everything the decision
+reads lives here, under one lock, so it can be tested without a Manager.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import threading
-from typing import Any
+from datetime import timedelta
+from typing import Any, Callable, Sequence
 
-from rallypoint.manager.recovery import QuorumResult
 from rallypoint.process_groups.protocols import ReconfigurableProcessGroup
 
 
@@ -32,105 +36,155 @@ GOODBYE_PREFIX = "goodbye:"  # the lighthouse's reason for a peer that left clea
 
 
 class FailFast:
-    """Error recording and aborts of :class:`Manager` (see the module docstring)."""
+    """A round's errors, its collectives in flight and the aborts (see the module docstring).
+
+    ``on_error(e)`` is called once per round with the round's first error (the Manager
+    notes it in the round's record)."""
 
     goodbye_grace_s = 2.0  # how long collectives in flight get to finish after a peer's clean goodbye
 
-    _err_lock: threading.Lock
-    _errored: Exception | None
-    _aborted_quorum: int | None
-    _quorum_id: int
-    _step: int
-    _pg: ReconfigurableProcessGroup
-    _log: logging.LoggerAdapter
-    _group_rank: int
-    _relay: Any
-    _replica_id: str
-    _quorum_future: cf.Future | None
-    _last_quorum: QuorumResult | None
-    _quorum_round: int
-    _round: int
-    _works: list[Any]
-    _works_lock: threading.Lock
-    _lost_peer: tuple[int, Exception] | None
-    _heal_busy: bool  # a heal is being served or fetched on the training thread
+    def __init__(self, pg: ReconfigurableProcessGroup, log: logging.LoggerAdapter, replica_id: str,
+                 timeout: timedelta, on_error: Callable[[Exception], None] | None = None) -> None:
+        self.pg = pg
+        self.log = log
+        self.replica_id = replica_id
+        self.timeout = timeout  # a work's wait bound (ManagedWork reads it)
+        self._on_error = on_error
+        self._lock = threading.Lock()
+        self._errored: Exception | None = None
+        self._aborted_quorum: int | None = None
+        self.quorum_id = -1  # the quorum the process group is configured for
+        self._members: Sequence[str] = ()  # the replica ids of the last quorum that arrived
+        self._round = 0
+        self._step = 0
+        self._arrived = False  # this round's quorum has arrived
+        self._setup_busy = False  # the quorum thread is still working on this round
+        self.heal_busy = False  # a heal is being served or fetched on the training thread
+        self._works: list[Any] = []
+        self._lost_peer: tuple[int, Exception] | None = None  # (round, why): a quorum member died
 
+    # ------------------------------------------------------------------ round facts
+    def new_round(self, rnd: int, step: int) -> None:
+        """A round begins (``start_quorum``): no error, no collective, the quorum pending."""
+        with self._lock:
+            self._errored = None
+            self._works = []
+            self._round, self._step = rnd, step
+            self._arrived = False
+            self._setup_busy = True
+
+    def quorum_arrived(self, replica_ids: Sequence[str]) -> None:
+        with self._lock:
+            self._members = tuple(replica_ids)
+            self._arrived = True
+
+    def setup_done(self) -> None:
+        """The quorum thread finished this round's part (quorum, configure, heal)."""
+        with self._lock:
+            self._setup_busy = False
+
+    def add_work(self, post: Callable[[], Any]) -> Any:
+        """Post a collective with ``post()`` and track it, unless a quorum member already
+        died this round (then the step fails now: the collective could never finish).
+        Returns the work, or None when nothing was posted (the failure is recorded)."""
+        # One lock hold from the check to the append: a notice is handled either before
+        # (the post is refused) or after (it sees the work in flight and aborts it).
+        err: Exception | None = None
+        work = None
+        with self._lock:
+            lost = self._lost_peer
+            if lost is not None and lost[0] == self._round:
+                err = lost[1]  # a quorum member is gone: this collective cannot finish
+            else:
+                try:
+                    work = post()
+                except Exception as e:  # noqa: BLE001
+                    err = e
+                else:
+                    self._works.append(work)
+        if err is not None:
+            self.comm_failed(err)
+        return work
+
+    def works(self) -> list[Any]:
+        with self._lock:
+            return list(self._works)
+
+    # ------------------------------------------------------------------ errors
     def report_error(self, e: Exception) -> None:
         """Mark this step failed (it will not commit); the next quorum recovers."""
-        with self._err_lock:
-            if self._errored is None:
-                self._log.warning("step %d error: %s", self._step, e)
-                self._errored = e
+        with self._lock:
+            if self._errored is not None:
+                return
+            self._errored = e
+            step = self._step
+        self.log.warning("step %d error: %s", step, e)
+        if self._on_error is not None:
+            self._on_error(e)
 
     def errored(self) -> Exception | None:
-        with self._err_lock:
+        with self._lock:
             return self._errored
 
-    def _on_peer_down(self, replica_id: str, reason: str) -> None:
-        # Runs on the liveness thread (rank 0) or the relay thread (other ranks). Abort only
-        # when the dead peer is in our quorum, so a blocked collective fails now instead of
-        # after the full timeout.
-        if self._group_rank == 0 and self._relay is not None:
-            try:
-                self._relay.publish(replica_id, reason)
-            except Exception as e:  # noqa: BLE001
-                self._log.warning("could not relay the loss of %s to the other group ranks: %s", replica_id, e)
-        fut, q = self._quorum_future, self._last_quorum
-        if fut is not None and not fut.done() and self._quorum_round != self._round:
-            # This step's quorum is still being formed: the lighthouse leaves the dead peer out.
-            self._log.info("peer %s is down (%s) while a quorum forms; not aborting", replica_id, reason)
-            return
-        if q is None or replica_id not in q.replica_ids or replica_id == self._replica_id:
-            return
-        err = ConnectionError(f"peer replica {replica_id} went down ({reason})")
-        with self._works_lock:  # see the module docstring for what counts as busy
+    def peer_down(self, replica_id: str, reason: str) -> None:
+        """The lighthouse says ``replica_id`` died. Runs on the liveness thread (rank 0) or
+        the relay thread (other ranks). Aborts only when the dead peer is in our quorum
+        and something of this round can still block on it."""
+        with self._lock:
+            if self._setup_busy and not self._arrived:
+                # This step's quorum is still being formed: the lighthouse leaves the dead peer out.
+                self.log.info("peer %s is down (%s) while a quorum forms; not aborting", replica_id, reason)
+                return
+            if replica_id not in self._members or replica_id == self.replica_id:
+                return
+            err = ConnectionError(f"peer replica {replica_id} went down ({reason})")
             self._lost_peer = (self._round, err)
-            setup_busy = (fut is not None and not fut.done()) or self._heal_busy
+            setup_busy = self._setup_busy or self.heal_busy
             works_busy = any(not w.finished() for w in self._works)
+            rnd, quorum_id = self._round, self.quorum_id
         if works_busy and not setup_busy and reason.startswith(GOODBYE_PREFIX):
             # A clean goodbye comes between a peer's steps: it finished the collectives it
             # started, so its share of ours is sent and they are about to finish (a replica
             # ending its job a moment before a slower one). Abort only if they do not.
-            rnd = self._round
             timer = threading.Timer(self.goodbye_grace_s, self._abort_if_busy, args=(rnd, err))
             timer.daemon = True
             timer.start()
-            self._log.info("%s during this step's collectives; aborting if they have not finished in %gs",
-                           err, self.goodbye_grace_s)
+            self.log.info("%s during this step's collectives; aborting if they have not finished in %gs",
+                          err, self.goodbye_grace_s)
             return
         if setup_busy or works_busy:
-            self._abort(err)
+            self.abort(err)
         else:
-            self._log.info("%s after this step's collectives finished; a later collective of quorum %d fails fast",
-                           err, self._quorum_id)
+            self.log.info("%s after this step's collectives finished; a later collective of quorum %d fails fast",
+                          err, quorum_id)
 
-    def _abort(self, e: Exception) -> None:
+    def abort(self, e: Exception) -> None:
         """Record ``e`` and abort the process group once per quorum, so that every
         collective blocked on it (ours and, through the closed connections, our peers')
         fails now. The next quorum has a new id (this step reports a commit failure), so
         the group is rebuilt before it is used again."""
         self.report_error(e)
-        with self._err_lock:
-            if self._aborted_quorum == self._quorum_id:
+        with self._lock:
+            if self._aborted_quorum == self.quorum_id:
                 return
-            self._aborted_quorum = self._quorum_id
-        self._log.warning("aborting the process group of quorum %d: %s", self._quorum_id, e)
+            self._aborted_quorum = quorum_id = self.quorum_id
+        self.log.warning("aborting the process group of quorum %d: %s", quorum_id, e)
         try:
-            self._pg.abort()
+            self.pg.abort()
         except Exception as ae:  # noqa: BLE001
-            self._log.warning("process group abort failed: %s", ae)
+            self.log.warning("process group abort failed: %s", ae)
 
     def _abort_if_busy(self, rnd: int, err: Exception) -> None:
         """After a goodbye's grace: abort if this round's collectives still have not finished
         (the peer left mid-step after all, e.g. from an exception handler)."""
-        with self._works_lock:
+        with self._lock:
             busy = self._round == rnd and any(not w.finished() for w in self._works)
         if busy:
-            self._abort(err)
+            self.abort(err)
 
-    def _comm_failed(self, e: Exception) -> None:
+    def comm_failed(self, e: Exception) -> None:
         """A collective failed or timed out (called from a work's ``wait``)."""
-        self._abort(e)
+        self.abort(e)
 
 
 __all__ = ["GOODBYE_PREFIX", "FailFast"]

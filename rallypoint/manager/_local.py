@@ -5,6 +5,7 @@ which costs a few milliseconds of every step. Same rules, same errors as the wir
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from rallypoint._net.rpc import seconds
 from rallypoint.manager.client import quorum_request
@@ -30,9 +31,12 @@ class LocalManagerClient:
         timeout: float | timedelta,
         commit_failures: int = 0,
         init_sync: bool = True,
+        step_stats: dict[str, Any] | None = None,
     ) -> QuorumResult:
+        """``ManagerClient._quorum``, in process; ``step_stats`` are checked as the
+        metadata is (``ValueError`` naming the field)."""
         req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync)
-        return self._server.local_quorum(req, seconds(timeout))
+        return self._server.local_quorum(req, seconds(timeout), step_stats=step_stats)
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: float | timedelta) -> bool:
         return self._server.local_should_commit(group_rank, step, should_commit, seconds(timeout))

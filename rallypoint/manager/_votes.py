@@ -1,5 +1,6 @@
 """Who may speak for a group rank, and the group's commit vote: the ManagerServer's rules
-that decide whether a step commits, apart from its gRPC shell.
+that decide whether a step commits, apart from its gRPC shell (the vote's folding and
+decision are pure functions in :mod:`rallypoint.manager.rules`; this keeps the futures).
 
 Why rank keys: the job token says a caller belongs to the job, not which rank it is. Any
 token holder could otherwise vote True for another rank (and a step that rank failed
@@ -26,6 +27,8 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
+
+from rallypoint.manager.rules import fold_vote, vote_decision
 
 log = logging.getLogger("rallypoint.manager")
 
@@ -102,11 +105,12 @@ class CommitVotes:
         rnd = self.rounds.get(step)
         if rnd is None:
             rnd = self.rounds[step] = CommitRound()
-        # A False stands: a later True for the same rank and step (a retry, or a forged
-        # vote) cannot turn a failed step into a committed one.
-        rnd.votes[rank] = rnd.votes.get(rank, True) and vote
-        if len(rnd.votes) == self.world_size:
-            self._decide(step, rnd)
+        # A False stands (rules.fold_vote): a later True for the same rank and step
+        # (a retry, or a forged vote) cannot turn a failed step into a committed one.
+        rnd.votes = fold_vote(rnd.votes, rank, vote)
+        decision = vote_decision(rnd.votes, self.world_size)
+        if decision is not None:
+            self._decide(step, rnd, decision)
         try:
             return await asyncio.shield(rnd.decision)
         except asyncio.CancelledError:
@@ -116,8 +120,7 @@ class CommitVotes:
                     del self.rounds[step]
             raise
 
-    def _decide(self, step: int, rnd: CommitRound) -> None:
-        decision = all(rnd.votes.values())
+    def _decide(self, step: int, rnd: CommitRound, decision: bool) -> None:
         del self.rounds[step]
         self.decided[step] = decision
         while len(self.decided) > DECIDED_KEEP:

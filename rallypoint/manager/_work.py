@@ -1,10 +1,12 @@
 """The works ``Manager.allreduce`` returns: they finish the mean on ``wait`` and route a
 failure to the manager (which records it and aborts the process group) instead of raising
-it in the middle of a step."""
+it in the middle of a step. Each notes when its collective finished (``done_at``), which
+the round's record uses for the step-time split."""
 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -14,9 +16,9 @@ from rallypoint.process_groups.work import CompletedWork
 
 
 class _FailureSink(Protocol):
-    _timeout: timedelta
+    timeout: timedelta
 
-    def _comm_failed(self, e: Exception) -> None: ...
+    def comm_failed(self, e: Exception) -> None: ...
 
 
 class DoneWork(CompletedWork):
@@ -28,21 +30,22 @@ class ManagedWork(DoneWork):
     """Wraps a process-group work: on ``wait`` finishes the mean, and routes a failure
     to the manager instead of raising it."""
 
-    def __init__(self, manager: _FailureSink, inner: Any, tensor: torch.Tensor, divisor: int | None) -> None:
+    def __init__(self, sink: _FailureSink, inner: Any, tensor: torch.Tensor, divisor: int | None) -> None:
         super().__init__(tensor)
-        self._manager = manager
+        self._sink = sink
         self._inner = inner
         self._tensor = tensor
         self._divisor = divisor
         self._done = False
         self._lock = threading.Lock()
+        self.done_at: float | None = None  # monotonic: when the first wait returned
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         with self._lock:
             if self._done:
                 return True
             try:
-                ok = self._inner.wait(timeout if timeout is not None else self._manager._timeout)
+                ok = self._inner.wait(timeout if timeout is not None else self._sink.timeout)
                 if ok is False:
                     raise TimeoutError("allreduce did not complete in time")
                 if self._divisor:
@@ -51,7 +54,8 @@ class ManagedWork(DoneWork):
                     else:
                         self._tensor.div_(self._divisor, rounding_mode="trunc")
             except Exception as e:  # noqa: BLE001 - recorded, the step will not commit
-                self._manager._comm_failed(e)
+                self._sink.comm_failed(e)
+            self.done_at = time.monotonic()
             self._done = True
             return True
 

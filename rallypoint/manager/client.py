@@ -27,6 +27,7 @@ from rallypoint._net.tls import TlsConfig, tls_config
 from rallypoint._net.tls import channel as tls_channel
 from rallypoint.manager.recovery import QuorumResult
 from rallypoint.manager._votes import RANK_KEY_HEADER, new_rank_key
+from rallypoint.manager.rules import STEP_STATS_HEADER, encode_step_stats
 
 log = logging.getLogger("rallypoint.manager.client")
 
@@ -186,13 +187,22 @@ class ManagerClient:
         timeout: float | timedelta,
         commit_failures: int = 0,
         init_sync: bool = True,
+        step_stats: dict[str, Any] | None = None,
     ) -> QuorumResult:
         """Join this step's quorum for ``group_rank``; blocks until the group's quorum
-        forms (every rank of the group asked and the lighthouse answered)."""
+        forms (every rank of the group asked and the lighthouse answered).
+
+        ``step_stats``: how this rank's previous round went (see
+        :func:`rallypoint.manager.rules.check_step_stats`), sent as the
+        ``x-rallypoint-step-stats`` metadata so the lighthouse can score stragglers; a
+        rallypoint server refuses bad stats (``ValueError``), torchft's ignores them."""
         secs = seconds(timeout)
         req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync)
+        metadata = self._rank_metadata
+        if step_stats is not None:
+            metadata = [*metadata, (STEP_STATS_HEADER, encode_step_stats(step_stats))]
         try:
-            resp, call = self._quorum_call.with_call(req, timeout=secs, metadata=self._rank_metadata)
+            resp, call = self._quorum_call.with_call(req, timeout=secs, metadata=metadata)
         except grpc.RpcError as e:
             raise self._translate(e, f"quorum for group rank {group_rank} at step {step}", secs) from None
         return with_stripe(result_from_pb(resp), call.trailing_metadata())

@@ -44,6 +44,8 @@ import os
 import socket
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
@@ -55,7 +57,10 @@ from rallypoint.manager._config import ReplicaLog as _ReplicaLog, WorldSizeMode,
 from rallypoint.manager._connect import GroupConnection
 from rallypoint.manager._failfast import FailFast
 from rallypoint.manager._heal import Healer
+from rallypoint.manager._outage import Outage, quorum_failure
 from rallypoint.manager._peer_relay import PeerDownRelay
+from rallypoint.manager._record import KEEP as _KEEP_RECORDS, StepRecord
+from rallypoint.manager._state import UserState
 from rallypoint.manager._work import DoneWork, ManagedWork
 from rallypoint.manager.recovery import QuorumResult
 from rallypoint.process_groups.protocols import ReconfigurableProcessGroup
@@ -66,14 +71,22 @@ T = TypeVar("T")
 log = logging.getLogger("rallypoint.manager")
 
 
-# torchft 0.2 reports a quorum timeout with its gRPC status text; callers (and torchft's
-# own tests) match it, so rallypoint's timeout messages carry the same words.
-TORCHFT_TIMEOUT_STATUS = 'status: Cancelled, message: "Timeout expired"'
-#: The longest a quorum waits before asking again while no quorum call gets through.
-OUTAGE_PAUSE_MAX_S = 1.0
 
 
-class Manager(FailFast, GroupConnection):
+@dataclass(eq=False)
+class _Round:
+    """One round: its :class:`StepRecord` (what happened, kept afterwards) and the
+    hand-offs between the quorum thread and the training thread (dropped at its end)."""
+
+    rec: StepRecord
+    heal_plan: QuorumResult | None = None  # a heal to serve/fetch on the training thread
+    pending: dict[str, Any] | None = None  # received state, applied at the next safe point
+    apply_due: bool = False  # healing: contributes zeros until ``pending`` is applied
+    quorum_error: Exception | None = None  # raised by should_commit / wait_quorum
+    served_here: bool = False  # the training thread served a heal in this round
+
+
+class Manager(GroupConnection):
     """Fault-tolerant data-parallel training for one rank of one replica group.
 
     Arguments mirror torchft 0.2.0. Unset arguments fall back to the environment:
@@ -131,9 +144,7 @@ class Manager(FailFast, GroupConnection):
         if not 0 <= self._group_rank < self._group_world_size:
             raise ValueError(f"rank {self._group_rank} is not in a replica group of {self._group_world_size}")
 
-        self._user_state_dicts: dict[str, Callable[[], Any]] = {}
-        self._load_state_dicts: dict[str, Callable[[Any], None]] = {}
-        self._state_lock = threading.RLock()
+        self._user_state = UserState()
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
 
@@ -141,28 +152,7 @@ class Manager(FailFast, GroupConnection):
         self._setup_rounds = 0  # of those, rounds that were no training step (see _count_setup_round)
         self._batches_committed = 0
         self._commit_failures = 0
-        self._quorum_id = -1
-        self._errored: Exception | None = None
-        self._err_lock = threading.Lock()
-        self._healing = False
-        self._pending_state_dict: dict[str, Any] | None = None
-        self._heal_plan: QuorumResult | None = None  # a heal to serve/fetch on the training thread
-        # While no quorum call gets through (the lighthouse, or our group's server, is
-        # down or unreachable), each new quorum waits this long first, doubling up to
-        # OUTAGE_PAUSE_MAX_S: a failed step a second, not ~40 (issue 16's "also found").
-        self._outage_pause = 0.0
-        self._outage_since: float | None = None
-        self._outage_failures = 0
         self._closing = threading.Event()
-        self._served_round = -1  # the round the training thread last served a heal in
-        self._works: list[ManagedWork] = []  # this round's collectives (for _on_peer_down)
-        self._works_lock = threading.Lock()
-        self._lost_peer: tuple[int, Exception] | None = None  # (round, why): a quorum member died
-        self._heal_busy = False
-        self._round = 0  # start_quorum calls so far
-        self._quorum_round = -1  # the round _last_quorum was received in
-        self._quorum_error: Exception | None = None  # raised by should_commit / wait_quorum
-        self._aborted_quorum: int | None = None
         self._relay: PeerDownRelay | None = None
         self._lighthouse_addr: str | None = None
         self._participating_rank: int | None = None
@@ -173,6 +163,13 @@ class Manager(FailFast, GroupConnection):
         self._server: Any = None
         self._client: Any = None  # ManagerClient, or LocalManagerClient on group rank 0
         self._log: logging.LoggerAdapter = _ReplicaLog(log, {"replica_id": replica_id, "group_rank": self._group_rank})
+        self._outage = Outage(self._log)  # the bounded backoff while no quorum call gets through
+        # The current round (start_quorum .. should_commit) and the ones before it.
+        now = time.monotonic()
+        self._cur = _Round(StepRecord(round=0, step=0, since=now, started=now))
+        self._records: deque[StepRecord] = deque(maxlen=_KEEP_RECORDS)
+        self._round_end: float | None = None  # monotonic: when the last round ended
+        self._ff = FailFast(pg, self._log, str(replica_id), self._timeout, on_error=self._note_error)
 
         self._own_transport = checkpoint_transport is None
         if checkpoint_transport is None:
@@ -191,21 +188,14 @@ class Manager(FailFast, GroupConnection):
         except BaseException:
             self.shutdown(wait=False)
             raise
+        self._ff.replica_id = self._replica_id
 
-    # ------------------------------------------------------------------ setup
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
-        with self._state_lock:
-            if key in self._user_state_dicts:
-                raise ValueError(f"state dict key {key!r} is already registered")
-            self._load_state_dicts[key] = load_state_dict
-            self._user_state_dicts[key] = state_dict
+        self._user_state.register(key, load_state_dict, state_dict)
 
     def _manager_state_dict(self) -> dict[str, Any]:
-        with self._state_lock:
-            if not self._user_state_dicts:
-                raise RuntimeError("no user state_dict registered: pass state_dict= or call register_state_dict_fn")
-            return {"user": {k: fn() for k, fn in self._user_state_dicts.items()}, "torchft": self.state_dict()}
+        return self._user_state.snapshot(self.state_dict)
 
     def state_dict(self) -> dict[str, int]:
         """``step`` (what :meth:`current_step` says) and ``batches_committed``, as in
@@ -231,23 +221,43 @@ class Manager(FailFast, GroupConnection):
         self._setup_rounds += 1
         self._batches_committed -= self._participating_world_size
 
+    # ------------------------------------------------------------------ errors
+    def report_error(self, e: Exception) -> None:
+        """Mark this step failed (it will not commit); the next quorum recovers."""
+        self._ff.report_error(e)
+
+    def errored(self) -> Exception | None:
+        return self._ff.errored()
+
+    def _note_error(self, e: Exception) -> None:
+        self._cur.rec.error = f"{type(e).__name__}: {e}"
+
+    def _on_peer_down(self, replica_id: str, reason: str) -> None:
+        """The lighthouse says ``replica_id`` died (rank 0's liveness stream, or the relay):
+        tell the group's other ranks (rank 0), then let FailFast abort what blocks on it."""
+        if self._group_rank == 0 and self._relay is not None:
+            try:
+                self._relay.publish(replica_id, reason)
+            except Exception as e:  # noqa: BLE001
+                self._log.warning("could not relay the loss of %s to the other group ranks: %s", replica_id, e)
+        self._ff.peer_down(replica_id, reason)
+
     # ------------------------------------------------------------------ quorum
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
         """Begin this step's quorum (on a background thread unless ``use_async_quorum``
         is off); the process group is reconfigured if the membership changed."""
         if self._quorum_future is not None:
             self._wait_future()
-        with self._err_lock:
-            self._errored = None
-        self._healing = False
-        self._pending_state_dict = None
-        self._heal_plan = None
-        self._quorum_error = None
-        with self._works_lock:
-            self._works = []
-            self._round += 1
+        now = time.monotonic()
+        prev = self._cur.rec
+        if prev.round and prev.ended is None:  # a round that never reached should_commit
+            self._close_round(prev, now, "abandoned")
+        stats = self._records[-1].stats() if self._records else None
+        rnd = self._cur = _Round(StepRecord(round=prev.round + 1, step=self._step,
+                                            since=self._round_end if self._round_end is not None else now, started=now))
+        self._ff.new_round(rnd.rec.round, self._step)
         self._quorum_future = self._executor.submit(
-            self._async_quorum, allow_heal, shrink_only, timeout or self._quorum_timeout
+            self._async_quorum, rnd, allow_heal, shrink_only, timeout or self._quorum_timeout, stats
         )
         if not self._use_async_quorum:
             self.wait_quorum()
@@ -257,12 +267,14 @@ class Manager(FailFast, GroupConnection):
         if fut is None:
             return
         limit = (self._quorum_timeout + 2 * self._timeout + self._connect_timeout).total_seconds()
+        t0 = time.monotonic()
         try:
             fut.result(timeout=limit)
         except cf.TimeoutError:
             self.report_error(TimeoutError(f"quorum did not finish within {limit:.0f}s"))
         except Exception as e:  # noqa: BLE001 - _async_quorum records its own errors
             self.report_error(e)
+        self._cur.rec.quorum_wait_s += time.monotonic() - t0
 
     def wait_quorum(self) -> None:
         """Wait for the quorum; serve or apply a heal (call it outside forward/backward).
@@ -271,15 +283,23 @@ class Manager(FailFast, GroupConnection):
             raise RuntimeError("wait_quorum() called before start_quorum()")
         self._wait_future()
         self._heal_here()
-        if self._healing:
-            self._apply_pending_state_dict()
-        if self._quorum_error is not None:
-            raise self._quorum_error
+        quorum_error = self._cur.quorum_error
+        if quorum_error is not None:
+            raise quorum_error
 
-    def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout: timedelta) -> None:
+    def _async_quorum(self, rnd: _Round, allow_heal: bool, shrink_only: bool, timeout: timedelta,
+                      stats: dict[str, Any] | None) -> None:
+        try:
+            self._quorum_round(rnd, allow_heal, shrink_only, timeout, stats)
+        finally:
+            self._ff.setup_done()
+
+    def _quorum_round(self, rnd: _Round, allow_heal: bool, shrink_only: bool, timeout: timedelta,
+                      stats: dict[str, Any] | None) -> None:
         assert self._client is not None
-        if self._outage_pause:
-            self._closing.wait(self._outage_pause)  # the bounded backoff; shutdown ends it
+        rec = rnd.rec
+        if self._outage.pause:
+            self._closing.wait(self._outage.pause)  # the bounded backoff; shutdown ends it
         try:
             q = self._client._quorum(
                 group_rank=self._group_rank,
@@ -289,31 +309,21 @@ class Manager(FailFast, GroupConnection):
                 timeout=timeout,
                 commit_failures=self._commit_failures,
                 init_sync=self._init_sync,
+                step_stats=stats,
             )
         except Exception as e:  # noqa: BLE001
             if isinstance(e, ConnectionError):
-                self._outage(e)
+                self._outage.failed(e)
             else:
                 self._log.warning("quorum failed: %s", e)
             self._participating_rank, self._participating_world_size = None, 0
-            if isinstance(e, ValueError):
-                # A configuration error (e.g. groups of different sizes): retrying cannot fix it.
-                self._quorum_error = ValueError(f"replica {self._replica_id} (group rank {self._group_rank}): {e}")
-            elif isinstance(e, TimeoutError):
-                self._quorum_error = TimeoutError(
-                    f"replica {self._replica_id} (group rank {self._group_rank}): no quorum formed for step "
-                    f"{self._step} within {timeout.total_seconds():g}s (lighthouse {self._lighthouse_addr or 'via group rank 0'}; "
-                    f"are at least min_replicas replica groups running and reaching it?): {e} "
-                    f"({TORCHFT_TIMEOUT_STATUS})"
-                )
+            rnd.quorum_error = quorum_failure(e, f"replica {self._replica_id} (group rank {self._group_rank})",
+                                              self._step, timeout, self._lighthouse_addr or "via group rank 0")
             self.report_error(e)
             return
-        if self._outage_since is not None:
-            self._log.warning("quorum calls get through again after %.1f s and %d failed steps",
-                              time.monotonic() - self._outage_since, self._outage_failures)
-            self._outage_since, self._outage_failures, self._outage_pause = None, 0, 0.0
+        self._outage.passed()
         self._last_quorum = q
-        self._quorum_round = self._round
+        self._ff.quorum_arrived(q.replica_ids)
         if self._use_async_quorum or not allow_heal:
             prank, pws = q.max_replica_rank, q.max_world_size
         else:
@@ -323,15 +333,21 @@ class Manager(FailFast, GroupConnection):
             if prank is not None and prank >= self._min_replica_size:
                 prank = None
         self._participating_rank, self._participating_world_size = prank, pws
+        rec.quorum_arrived = time.monotonic()
+        rec.quorum_id, rec.replica_rank, rec.replica_world_size = q.quorum_id, q.replica_rank, q.replica_world_size
+        rec.participants, rec.max_step = tuple(q.replica_ids), q.max_step
+        rec.participating_rank, rec.participating_world_size = prank, pws
 
-        if q.quorum_id != self._quorum_id:
+        if q.quorum_id != self._ff.quorum_id:
             store = f"{q.store_address}/rallypoint/{q.quorum_id}/{self._group_rank}"
             self._log.info(
                 "reconfiguring for quorum %d: replica rank %d/%d, store %s, max_step %d",
                 q.quorum_id, q.replica_rank, q.replica_world_size, store, q.max_step,
             )
+            rec.reconfigured = True
+            t0 = time.monotonic()
             try:
-                self._quorum_id = q.quorum_id
+                self._ff.quorum_id = q.quorum_id
                 self._pg.configure(
                     store, self._replica_id, q.replica_rank, q.replica_world_size,
                     quorum_id=q.quorum_id, group_rank=self._group_rank, group_world_size=self._group_world_size,
@@ -340,77 +356,66 @@ class Manager(FailFast, GroupConnection):
                 self._log.warning("process group configure failed: %s", e)
                 self.report_error(e)
                 return
+            finally:
+                rec.configure_s = time.monotonic() - t0
 
-        if not allow_heal or not (q.heal or self._healer.serves(q)):
+        serves = self._healer.serves(q)
+        if not allow_heal or not (q.heal or serves):
             return
+        rec.served_to = tuple(serves)
         if q.heal:
-            self._healing = True  # contributes zeros until the state is applied
+            rnd.apply_due = rec.healing = True  # contributes zeros until the state is applied
+            rec.heal_source = q.recover_src_replica_rank
         if self.heal_on_training_thread:
-            self._heal_plan = q  # served / fetched by _heal_here on the training thread
+            rnd.heal_plan = q  # served / fetched by _heal_here on the training thread
             return
         try:
-            if self._healer.serves(q):
+            if serves:
                 # Served now, so the healing peer finds it as soon as it asks (guarded
                 # by the transport: see _heal.py); frozen or withdrawn in should_commit.
                 # User state_dict callbacks therefore run on this thread
                 # (heal_on_training_thread moves them).
                 self._healer.serve(q, self._manager_state_dict())
             if q.heal:
-                self._pending_state_dict = self._healer.fetch(q)
+                rnd.pending = self._healer.fetch(q)
         except Exception as e:  # noqa: BLE001
             self._log.warning("recovery failed: %s", e)
             self.report_error(e)
-
-    def _outage(self, e: Exception) -> None:
-        """A quorum call could not get through: say so once, then back off (bounded)."""
-        self._outage_failures += 1
-        if self._outage_since is None:
-            self._outage_since = time.monotonic()
-            self._log.warning("quorum failed: %s; the lighthouse (or this group's manager server) is unreachable: "
-                              "failing steps at most every %.0f s until a quorum call gets through", e,
-                              OUTAGE_PAUSE_MAX_S)
-        else:
-            self._log.debug("quorum failed again (%d in a row): %s", self._outage_failures, e)
-        self._outage_pause = min(max(0.05, 2 * self._outage_pause), OUTAGE_PAUSE_MAX_S)
 
     def _heal_here(self) -> None:
-        """Serve and/or fetch this quorum's heal on the calling (training) thread; only
-        with ``heal_on_training_thread``. The sender serves its state even when its step
-        failed (that state is still the step's state) so the healing peer is not left
-        waiting for a publication that never comes."""
-        q, self._heal_plan = self._heal_plan, None
-        if q is None:
-            return
-        self._heal_busy = True
-        try:
-            if self._healer.serves(q):
-                self._healer.serve(q, self._manager_state_dict())
-                self._served_round = self._round
-            if q.heal:
-                self._pending_state_dict = self._healer.fetch(q, into=self._manager_state_dict(), mesh=self.heal_mesh)
-        except Exception as e:  # noqa: BLE001
-            self._log.warning("recovery failed: %s", e)
-            self.report_error(e)
-        finally:
-            self._heal_busy = False
+        """Serve and/or fetch this quorum's heal on the calling (training) thread when
+        ``heal_on_training_thread``, then apply a received state. The sender serves its
+        state even when its step failed (that state is still the step's state) so the
+        healing peer is not left waiting for a publication that never comes."""
+        rnd = self._cur
+        q, rnd.heal_plan = rnd.heal_plan, None
+        t0 = time.monotonic()
+        if q is not None:
+            self._ff.heal_busy = True
+            try:
+                if self._healer.serves(q):
+                    self._healer.serve(q, self._manager_state_dict())
+                    rnd.served_here = True
+                if q.heal:
+                    rnd.pending = self._healer.fetch(q, into=self._manager_state_dict(), mesh=self.heal_mesh)
+            except Exception as e:  # noqa: BLE001
+                self._log.warning("recovery failed: %s", e)
+                self.report_error(e)
+            finally:
+                self._ff.heal_busy = False
+        if rnd.apply_due:
+            self._apply_pending_state_dict(rnd)
+        if q is not None or rnd.rec.healing:
+            rnd.rec.heal_s += time.monotonic() - t0
 
-    def _apply_pending_state_dict(self) -> None:
-        pending = self._pending_state_dict
-        self._pending_state_dict = None
-        self._healing = False
+    def _apply_pending_state_dict(self, rnd: _Round) -> None:
+        pending, rnd.pending, rnd.apply_due = rnd.pending, None, False
         if pending is None:
             if self.errored() is None:
                 self.report_error(RuntimeError("healing was required but no state was received"))
             return
         try:
-            with self._state_lock:
-                self.load_state_dict(pending["torchft"])
-                user = pending["user"]
-                for key, load in self._load_state_dicts.items():
-                    if key in user:
-                        load(user[key])
-                    else:
-                        raise KeyError(f"received state has no {key!r} entry (has {sorted(user)})")
+            self._user_state.apply(pending, self.load_state_dict)
             self._log.info("applied healed state: step %d", self._step)
         except Exception as e:  # noqa: BLE001
             self.report_error(e)
@@ -445,24 +450,23 @@ class Manager(FailFast, GroupConnection):
                 )
         if not self.is_participating():
             tensor.zero_()
-        with self._works_lock:
-            lost = self._lost_peer
-            if lost is not None and lost[0] == self._round:
-                self._comm_failed(lost[1])  # a quorum member is gone: this collective cannot finish
-                return DoneWork(tensor)
-            try:
-                if should_quantize:
-                    from rallypoint.process_groups.quantization import allreduce_quantized
+        rec = self._cur.rec
+        if rec.first_collective is None:
+            rec.first_collective = time.monotonic()
+        rec.collectives += 1
+        divisor = max(1, self._participating_world_size) if avg else None
 
-                    work = allreduce_quantized(self._pg, [tensor], timeout=self._timeout)
-                else:
-                    work = self._pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
-            except Exception as e:  # noqa: BLE001
-                self._comm_failed(e)
-                return DoneWork(tensor)
-            managed = ManagedWork(self, work, tensor, max(1, self._participating_world_size) if avg else None)
-            self._works.append(managed)
-        return managed
+        def post() -> ManagedWork:
+            if should_quantize:
+                from rallypoint.process_groups.quantization import allreduce_quantized
+
+                work = allreduce_quantized(self._pg, [tensor], timeout=self._timeout)
+            else:
+                work = self._pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
+            return ManagedWork(self._ff, work, tensor, divisor)
+
+        managed = self._ff.add_work(post)
+        return DoneWork(tensor) if managed is None else managed
 
     def _quorum_size(self) -> int:
         q = self._last_quorum
@@ -476,8 +480,8 @@ class Manager(FailFast, GroupConnection):
             raise RuntimeError("should_commit() called before start_quorum()")
         self._wait_future()
         self._heal_here()
-        if self._healing:
-            self._apply_pending_state_dict()
+        rnd = self._cur
+        rnd.rec.commit_started = time.monotonic()
         pg_err = self._pg.errored()
         if pg_err is not None:
             self.report_error(pg_err)
@@ -497,15 +501,16 @@ class Manager(FailFast, GroupConnection):
         # a frozen copy of what a receiver still reads).
         freeze = getattr(self._transport, "freeze_checkpoint", None)
         try:
-            if self._served_round != self._round:
+            if not rnd.served_here:
                 self._transport.disallow_checkpoint()
             elif freeze is not None:
                 freeze()
         except Exception as e:  # noqa: BLE001
             self._log.warning("disallow_checkpoint failed: %s", e)
-        if self._quorum_error is not None:
+        if rnd.quorum_error is not None:
             self._commit_failures += 1
-            raise self._quorum_error
+            self._close_round(rnd.rec, time.monotonic(), "failed")
+            raise rnd.quorum_error
         if decision:
             self._step += 1
             self._batches_committed += self._participating_world_size
@@ -513,12 +518,33 @@ class Manager(FailFast, GroupConnection):
             _progress.committed(self.current_step())  # tells a supervising `rallypoint run`
         else:
             self._commit_failures += 1
-            if self._max_retries is not None and self._commit_failures > self._max_retries:
-                raise RuntimeError(
-                    f"[{self._replica_id}] {self._commit_failures} consecutive failed steps "
-                    f"(max_retries={self._max_retries}); last error: {self.errored()}"
-                )
+            if rnd.rec.error is None:
+                rnd.rec.error = "the group's commit vote failed (another rank of this group voted false)" \
+                    if local else f"too few participants ({self._participating_world_size} < {self._min_replica_size})"
+        self._close_round(rnd.rec, time.monotonic(), "committed" if decision else "failed")
+        if not decision and self._max_retries is not None and self._commit_failures > self._max_retries:
+            raise RuntimeError(
+                f"[{self._replica_id}] {self._commit_failures} consecutive failed steps "
+                f"(max_retries={self._max_retries}); last error: {self.errored()}"
+            )
         return decision
+
+    def _close_round(self, rec: StepRecord, now: float, outcome: str) -> None:
+        done = [w.done_at for w in self._ff.works() if getattr(w, "done_at", None) is not None]
+        if done:
+            rec.last_collective_done = max(done)
+        rec.ended, rec.outcome = now, outcome
+        self._round_end = now
+        self._records.append(rec)
+
+    def step_record(self) -> StepRecord | None:
+        """The record of the last finished round (None before the first): its quorum,
+        participants, time split and outcome (see :mod:`rallypoint.manager._record`)."""
+        return self._records[-1] if self._records else None
+
+    def step_records(self) -> list[StepRecord]:
+        """The records of the last rounds (at most 256), oldest first."""
+        return list(self._records)
 
     # ------------------------------------------------------------------ queries
     def current_step(self) -> int:
@@ -541,7 +567,7 @@ class Manager(FailFast, GroupConnection):
         return self._participating_rank
 
     def is_participating(self) -> bool:
-        return self._participating_rank is not None and not self._healing
+        return self._participating_rank is not None and not self._cur.apply_due
 
     @property
     def replica_id(self) -> str:

@@ -2,12 +2,16 @@
 group rank 0 in a background thread with its own asyncio loop.
 
 * ``Quorum``: gathers one request from each of the group's ``world_size`` ranks for the
-  same step, asks the lighthouse once for the whole group (``shrink_only`` if any rank
+  same step, asks the lighthouse once for the whole group
+  (:func:`~rallypoint.manager.rules.aggregate_requests`: ``shrink_only`` if any rank
   asked, ``commit_failures`` the maximum over ranks, ``data`` a JSON object of step
-  statistics), then answers each rank with :func:`~rallypoint.manager.recovery.compute_quorum_result`.
+  statistics, with the step stats of the rank that held the group up when ranks send
+  them in the ``x-rallypoint-step-stats`` metadata), then answers each rank with
+  :func:`~rallypoint.manager.recovery.compute_quorum_result`.
   The lighthouse call is bounded by the waiting ranks' own gRPC deadlines; when it fails,
   every waiting rank gets that error at once (torchft leaves them hanging).
   A rank whose call goes away before the group is complete is taken out of the round.
+  Bad step stats are INVALID_ARGUMENT and change nothing.
 * ``ShouldCommit``: votes are keyed by step; the decision is true only if every rank
   voted true for that step. An undecided vote whose caller went away is withdrawn.
 * ``CheckpointMetadata(rank)``: what that rank sent with its last ``Quorum``.
@@ -15,6 +19,7 @@ group rank 0 in a background thread with its own asyncio loop.
 
 It also heartbeats the lighthouse every ``heartbeat_interval`` and holds rallypoint's
 liveness stream (a goodbye on :meth:`shutdown`, so a clean stop is not a crash).
+The decisions themselves are pure functions in :mod:`rallypoint.manager.rules`.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from rallypoint.lighthouse.client import LighthouseClient, LivenessStream, Quoru
 from rallypoint.manager.client import result_to_pb
 from rallypoint.manager.client import stripe_metadata
 from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
+from rallypoint.manager import rules
 from rallypoint.manager._votes import RANK_KEY_HEADER, CommitVotes, claim_rank, new_future, new_rank_key
 
 log = logging.getLogger("rallypoint.manager")
@@ -59,6 +65,15 @@ def _discard(held: set[Any], item: Any, _task: object) -> None:
     held.discard(item)
 
 
+def _header(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    """The (last) value of the caller's invocation metadata ``key``, or None."""
+    value = None
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            value = v if isinstance(v, str) else v.decode("utf-8", "replace")
+    return value
+
+
 @dataclass(eq=False)
 class _QuorumRound:
     """The group's pending Quorum requests for one step."""
@@ -67,6 +82,7 @@ class _QuorumRound:
     first_at: float
     requests: dict[int, pb.ManagerQuorumRequest] = field(default_factory=dict)
     deadlines: dict[int, float | None] = field(default_factory=dict)
+    stats: dict[int, dict[str, Any] | None] = field(default_factory=dict)  # checked step stats, per rank
     result: asyncio.Future = field(default_factory=new_future)
     fired: bool = False
 
@@ -260,11 +276,9 @@ class ManagerServer:
         )
 
     async def _bad_rank(self, context: grpc.aio.ServicerContext, rank: int, what: str) -> None:
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"{what}: group_rank {rank} is out of range for replica {self.replica_id} "
-            f"(group world size {self.world_size}); check the ranks' WORLD_SIZE",
-        )
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{what}: group_rank {rank} is out of range for replica {self.replica_id} "
+                            f"(group world size {self.world_size}); check the ranks' WORLD_SIZE")
 
     async def _too_long(self, context: grpc.aio.ServicerContext, field: str, value: str, limit: int) -> None:
         """INVALID_ARGUMENT naming ``field`` if ``value`` exceeds ``limit`` UTF-8 bytes."""
@@ -279,9 +293,10 @@ class ManagerServer:
         if not 0 <= req.group_rank < self.world_size:
             await self._bad_rank(context, req.group_rank, "quorum")
         await self._too_long(context, "checkpoint_metadata", req.checkpoint_metadata, MAX_CHECKPOINT_METADATA_BYTES)
+        stats = await self._step_stats(context, req.group_rank)
         await self._claim(context, req.group_rank, "quorum")
         try:
-            result = await self._join_quorum(req, context.time_remaining())
+            result = await self._join_quorum(req, context.time_remaining(), stats)
         except _Failure as f:
             await context.abort(f.code, f.message)
         stripe = stripe_metadata(result)
@@ -289,9 +304,21 @@ class ManagerServer:
             context.set_trailing_metadata(stripe)
         return result_to_pb(result)
 
-    async def _join_quorum(self, req: pb.ManagerQuorumRequest, remaining: float | None) -> QuorumResult:
-        """One rank's part of a quorum round (gRPC and in-process callers alike);
-        raises :class:`_Failure`. Cancelling the caller withdraws the rank."""
+    async def _step_stats(self, context: grpc.aio.ServicerContext, rank: int) -> dict[str, Any] | None:
+        """The caller's checked step stats (None when it sent none, as torchft's clients
+        never do); INVALID_ARGUMENT naming the bad field, before anything changes."""
+        try:
+            return rules.parse_step_stats(_header(context, rules.STEP_STATS_HEADER))
+        except ValueError as e:
+            log.warning("[%s] refused quorum for group rank %d from %s: %s", self.replica_id, rank, context.peer(), e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"replica {self.replica_id}: bad {rules.STEP_STATS_HEADER} metadata: {e}")
+            raise  # not reached: abort raises
+
+    async def _join_quorum(self, req: pb.ManagerQuorumRequest, remaining: float | None,
+                           stats: dict[str, Any] | None = None) -> QuorumResult:
+        """One rank's part of a quorum round (gRPC and in-process callers alike), with its
+        checked step stats; raises :class:`_Failure`. Cancelling the caller withdraws the rank."""
         rank = req.group_rank
         self._metadata[rank] = req.checkpoint_metadata
         now = time.monotonic()
@@ -299,17 +326,15 @@ class ManagerServer:
         if rnd is None:
             others = {s: sorted(r.requests) for s, r in self._rounds.items()}
             if others:
-                log.warning(
-                    "[%s] group rank %d asks for step %d while ranks are waiting at other steps %s; "
-                    "the ranks of one replica group must be at the same step",
-                    self.replica_id, rank, req.step, others,
-                )
+                log.warning("[%s] group rank %d asks for step %d while ranks are waiting at other steps %s; "
+                            "the ranks of one replica group must be at the same step", self.replica_id, rank, req.step, others)
             rnd = self._rounds[req.step] = _QuorumRound(step=req.step, first_at=now)
             # Every commit vote follows a quorum: a new round is a new attempt, so a
             # remembered decision (e.g. a failed step being retried) must not answer it.
             self._votes.forget_decisions()
         rnd.requests[rank] = req
         rnd.deadlines[rank] = now + remaining if remaining is not None else None
+        rnd.stats[rank] = stats
         log.debug("[%s] quorum request from group rank %d at step %d (%d/%d)", self.replica_id, rank, req.step, len(rnd.requests), self.world_size)
         if len(rnd.requests) == self.world_size and not rnd.fired:
             rnd.fired = True
@@ -326,72 +351,45 @@ class ManagerServer:
             if not rnd.fired and rnd.requests.get(rank) is req:
                 del rnd.requests[rank]
                 rnd.deadlines.pop(rank, None)
+                rnd.stats.pop(rank, None)
                 if not rnd.requests and self._rounds.get(rnd.step) is rnd:
                     del self._rounds[rnd.step]
             raise
-        sizes = {m.replica_id: m.world_size for m in quorum.members if m.world_size}
-        if len(set(sizes.values())) > 1:
-            # Group rank g averages with group rank g of every other group: groups of
-            # different sizes would leave ranks without peers and hang in configure.
-            raise _Failure(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"replica groups of different sizes in quorum {quorum.quorum_id}: "
-                + ", ".join(f"{rid} has {n} rank(s)" for rid, n in sorted(sizes.items()))
-                + "; every replica group must have the same number of ranks",
-            )
+        why = rules.group_size_error(quorum.quorum_id, {m.replica_id: m.world_size for m in quorum.members})
+        if why is not None:
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, why)
         try:
             result = compute_quorum_result(quorum, self.replica_id, rank, req.init_sync)
         except ValueError as e:
             raise _Failure(grpc.StatusCode.NOT_FOUND, str(e)) from None
         if result.heal:
-            log.info(
-                "[%s] group rank %d heals: step %d < max_step %d, source replica rank %s",
-                self.replica_id, rank, req.step, result.max_step, result.recover_src_replica_rank,
-            )
+            log.info("[%s] group rank %d heals: step %d < max_step %d, source replica rank %s",
+                     self.replica_id, rank, req.step, result.max_step, result.recover_src_replica_rank)
         return result
 
     async def _ask_lighthouse(self, rnd: _QuorumRound) -> None:
-        reqs = rnd.requests
         now = time.monotonic()
-        deadlines = [d for d in rnd.deadlines.values() if d is not None]
-        budget = max(deadlines) - now if deadlines else (self._quorum_timeout or DEFAULT_QUORUM_TIMEOUT_S)
-        if self._quorum_timeout is not None:
-            budget = min(budget, self._quorum_timeout)
-        budget = max(budget, 0.001)
-        shrink_only = any(r.shrink_only for r in reqs.values())
-        commit_failures = max(r.commit_failures for r in reqs.values())
-        data = {
-            "step": rnd.step,
-            "group_world_size": self.world_size,
-            "gather_s": round(now - rnd.first_at, 6),
-            "shrink_only_ranks": sorted(g for g, r in reqs.items() if r.shrink_only),
-            "commit_failures": commit_failures,
-        }
+        budget = rules.lighthouse_budget(rnd.deadlines.values(), now, self._quorum_timeout, DEFAULT_QUORUM_TIMEOUT_S)
+        group = rules.aggregate_requests(rnd.step, self.world_size, [
+            rules.RankRequest(g, r.shrink_only, r.commit_failures, r.init_sync, rnd.stats.get(g))
+            for g, r in rnd.requests.items()], rnd.first_at, now)
         log.info("[%s] all %d ranks joined step %d; asking the lighthouse (timeout %.1fs)", self.replica_id, self.world_size, rnd.step, budget)
         assert self._loop is not None
         end = now + budget
+        ask = functools.partial(self._lighthouse.quorum, self.replica_id, address=self.address(),
+                                store_address=self.store_addr, step=rnd.step, world_size=self.world_size,
+                                shrink_only=group.shrink_only, data=json.dumps(group.data),
+                                commit_failures=group.commit_failures)
         attempt = 0
         while True:
             try:
                 quorum = await self._loop.run_in_executor(
-                    self._pool,
-                    lambda: self._lighthouse.quorum(
-                        self.replica_id,
-                        timeout=max(end - time.monotonic(), 0.001),
-                        address=self.address(),
-                        store_address=self.store_addr,
-                        step=rnd.step,
-                        world_size=self.world_size,
-                        shrink_only=shrink_only,
-                        data=json.dumps(data),
-                        commit_failures=commit_failures,
-                    ),
-                )
+                    self._pool, lambda: ask(timeout=max(end - time.monotonic(), 0.001)))
                 break
             except ConnectionError as e:
                 # torchft's quorum_retries: retry a failed (not timed-out) call within the budget.
-                pause = min(0.1 * 2**attempt, 1.0)
-                if attempt >= self._quorum_retries or time.monotonic() + pause >= end or self._stopped.is_set():
+                pause = rules.retry_pause(attempt, self._quorum_retries, time.monotonic(), end)
+                if pause is None or self._stopped.is_set():
                     error: Exception = e
                 else:
                     attempt += 1
@@ -408,12 +406,8 @@ class ManagerServer:
 
     def _fan_out_failure(self, rnd: _QuorumRound, e: Exception) -> None:
         """Every rank waiting on ``rnd`` gets the lighthouse's error now."""
-        if isinstance(e, TimeoutError):
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
-        elif isinstance(e, ValueError):
-            code = grpc.StatusCode.INVALID_ARGUMENT
-        else:
-            code = grpc.StatusCode.UNAVAILABLE
+        code = (grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(e, TimeoutError)
+                else grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError) else grpc.StatusCode.UNAVAILABLE)
         msg = f"replica {self.replica_id}: lighthouse quorum for step {rnd.step} failed: {e}"
         log.warning("[%s] %s", self.replica_id, msg)
         if not rnd.result.done():
@@ -464,11 +458,7 @@ class ManagerServer:
 
     async def _claim(self, context: grpc.aio.ServicerContext, rank: int, what: str) -> None:
         """PERMISSION_DENIED unless the caller may speak for ``rank`` (nothing changes)."""
-        key = None
-        for k, v in context.invocation_metadata() or ():
-            if k == RANK_KEY_HEADER:
-                key = v if isinstance(v, str) else v.decode("utf-8", "replace")
-        why = self._bind_rank(rank, key, context.peer())
+        why = self._bind_rank(rank, _header(context, RANK_KEY_HEADER), context.peer())
         if why is not None:
             log.warning("[%s] refused %s for group rank %d from %s: %s", self.replica_id, what, rank, context.peer(), why)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"replica {self.replica_id}: {why}")
@@ -509,12 +499,18 @@ class ManagerServer:
                 raise PermissionError(f"{what}: {f.message}") from None
             raise ConnectionError(f"{what} failed ({f.code.name}): {f.message}") from None
 
-    def local_quorum(self, req: pb.ManagerQuorumRequest, timeout: float) -> QuorumResult:
-        """``Quorum`` for a rank in this process (group rank 0's manager)."""
+    def local_quorum(self, req: pb.ManagerQuorumRequest, timeout: float,
+                     step_stats: dict[str, Any] | None = None) -> QuorumResult:
+        """``Quorum`` for a rank in this process (group rank 0's manager), with its step
+        stats (checked as the metadata is: ``ValueError`` naming the field, nothing changes)."""
         if not 0 <= req.group_rank < self.world_size:
             raise ValueError(f"group rank {req.group_rank} is not in replica group {self.replica_id} of {self.world_size}")
         what = f"quorum for group rank {req.group_rank} at step {req.step}"
-        return self._call_local(self._as_local(req.group_rank, self._join_quorum(req, timeout)), timeout, what)
+        try:
+            stats = None if step_stats is None else rules.parse_step_stats(rules.encode_step_stats(step_stats))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what}: bad step stats: {e}") from None
+        return self._call_local(self._as_local(req.group_rank, self._join_quorum(req, timeout, stats)), timeout, what)
 
     def local_should_commit(self, rank: int, step: int, vote: bool, timeout: float) -> bool:
         """``ShouldCommit`` for a rank in this process."""

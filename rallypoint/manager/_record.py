@@ -1,0 +1,161 @@
+"""One record per round: what happened between one ``start_quorum`` and its
+``should_commit``.
+
+Why one object: the guards read the same facts -- the lighthouse scores stragglers from
+the step-time split each group reports, the goodput ledger sums rounds by outcome, the
+corruption checks name the round they failed. Scattered counters on the ``Manager``
+(which round the quorum arrived in, which round served a heal, ...) had to be read
+together and could disagree. A :class:`StepRecord` is created by ``start_quorum``,
+filled in by the quorum thread and the training thread, and closed by
+``should_commit``; ``Manager.step_records()`` keeps the last :data:`KEEP` of them.
+
+The split of a step's time (all seconds, on this rank's clock):
+
+- ``step_s``: from the end of the previous round (its ``should_commit``) to the end of
+  this one; the first round counts from its ``start_quorum``.
+- ``quorum_wait_s``: the training thread blocked waiting for the quorum (an async quorum
+  that arrives during forward costs nothing here).
+- ``heal_s``: the training thread fetching and applying a heal, or serving one
+  (``heal_on_training_thread``); a quorum-thread transfer shows up as quorum wait.
+- ``compute_s``: the time before this round's first cross-replica collective, less the
+  two above: forward and the start of backward (and the previous optimizer step). It is
+  the part of a step that no peer can slow down, which is why straggler scores use it: a
+  fast group waiting for a slow one waits inside its collectives, so its wait lands in
+  ``comm_s`` and the slow group's own slowness in ``compute_s``. Without a collective,
+  everything up to the commit vote.
+- ``comm_s``: from the first collective issued to the last one finished.
+- ``commit_s``: the commit vote (``should_commit``'s barrier with the group).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Rounds a Manager remembers (``Manager.step_records()``).
+KEEP = 256
+
+
+def _secs(x: float) -> float:
+    """Seconds rounded to microseconds, never negative (clocks of two threads)."""
+    return round(max(0.0, x), 6) if math.isfinite(x) else 0.0
+
+
+@dataclass
+class StepRecord:
+    """What happened in one round (see the module docstring for the time split).
+
+    ``step`` is the step the round ran at (as exchanged with peers); ``outcome`` is
+    ``"pending"`` until ``should_commit`` returns, then ``"committed"`` or ``"failed"``
+    (``error`` says why: the first error the step recorded, or the vote's), or
+    ``"abandoned"`` when the next ``start_quorum`` came without a ``should_commit``."""
+
+    round: int
+    step: int
+    since: float  # monotonic: the end of the previous round (or this round's start)
+    started: float  # monotonic: start_quorum
+    quorum_id: int | None = None
+    replica_rank: int | None = None
+    replica_world_size: int = 0
+    participants: tuple[str, ...] = ()
+    participating_rank: int | None = None
+    participating_world_size: int = 0
+    max_step: int | None = None
+    reconfigured: bool = False
+    healing: bool = False
+    heal_source: int | None = None  # the replica rank healed from
+    served_to: tuple[int, ...] = ()  # replica ranks that may fetch our state this round
+    quorum_arrived: float | None = None  # monotonic
+    configure_s: float = 0.0
+    quorum_wait_s: float = 0.0
+    heal_s: float = 0.0
+    first_collective: float | None = None  # monotonic: the first collective issued
+    last_collective_done: float | None = None  # monotonic: the last one finished
+    collectives: int = 0
+    commit_started: float | None = None
+    ended: float | None = None
+    outcome: str = "pending"
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # what guards add (checks, injections)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def spare(self) -> bool:
+        """In the quorum but not contributing (FIXED_WITH_SPARES beyond min size, or a
+        synchronous heal's first round)."""
+        return self.quorum_id is not None and self.participating_rank is None and not self.healing
+
+    @property
+    def quorum_s(self) -> float | None:
+        """From ``start_quorum`` to the quorum's answer (on the quorum thread)."""
+        return None if self.quorum_arrived is None else _secs(self.quorum_arrived - self.started)
+
+    @property
+    def step_s(self) -> float | None:
+        return None if self.ended is None else _secs(self.ended - self.since)
+
+    @property
+    def commit_s(self) -> float | None:
+        if self.ended is None or self.commit_started is None:
+            return None
+        return _secs(self.ended - self.commit_started)
+
+    @property
+    def compute_s(self) -> float | None:
+        if self.ended is None:
+            return None
+        until = self.first_collective if self.first_collective is not None else self.commit_started
+        if until is None:
+            until = self.ended
+        return _secs(until - self.since - self.quorum_wait_s - self.heal_s)
+
+    @property
+    def comm_s(self) -> float:
+        if self.first_collective is None or self.last_collective_done is None:
+            return 0.0
+        return _secs(self.last_collective_done - self.first_collective)
+
+    @property
+    def kind(self) -> str:
+        """How the round counts for the guards: ``healing`` and ``spare`` rounds did no
+        comparable work; otherwise the outcome."""
+        if self.healing:
+            return "healing"
+        if self.spare and self.outcome == "committed":
+            return "spare"
+        return "committed" if self.outcome == "committed" else "failed"  # "abandoned": no should_commit
+
+    # ------------------------------------------------------------------ views
+    def stats(self) -> dict[str, Any] | None:
+        """The step statistics reported to the lighthouse with the next quorum request
+        (``x-rallypoint-step-stats``); None while the round is still open."""
+        if self.ended is None:
+            return None
+        stats = {
+            "step": self.step,
+            "round": self.round,
+            "outcome": self.kind,
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "quorum_wait_s": _secs(self.quorum_wait_s),
+            "comm_s": self.comm_s,
+            "heal_s": _secs(self.heal_s),
+            "commit_s": self.commit_s,
+        }
+        return {k: v for k, v in stats.items() if v is not None}  # an abandoned round never voted
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-able view (the raw monotonic stamps left out: they mean nothing elsewhere)."""
+        d = asdict(self)
+        for k in ("since", "started", "quorum_arrived", "first_collective", "last_collective_done",
+                  "commit_started", "ended"):
+            d.pop(k)
+        d["participants"] = list(self.participants)
+        d["served_to"] = list(self.served_to)
+        d.update(spare=self.spare, quorum_s=self.quorum_s, step_s=self.step_s, compute_s=self.compute_s,
+                 comm_s=self.comm_s, commit_s=self.commit_s, kind=self.kind)
+        return d
+
+
+__all__ = ["KEEP", "StepRecord"]
