@@ -63,6 +63,17 @@ def _build_parser() -> argparse.ArgumentParser:
           help="PEM CA that signed the managers' certificates, for forwarded kills (default: $RALLYPOINT_TLS_CA)")
     _flag(lh, "require-tls", action="store_true", default=None,
           help="refuse to start without a TLS certificate (default: $RALLYPOINT_REQUIRE_TLS)")
+    _flag(lh, "stragglers", choices=("report", "evict"), default="report",
+          help="what to do with a replica group persistently slower than its peers: 'report' flags it in "
+               "/status, /metrics and the event log; 'evict' also leaves it out of quorums for a cool-down (report)")
+    _flag(lh, "straggler-threshold", type=float, default=1.5,
+          help="a step is slow when the group's compute time is at least this times the median of the others (1.5)")
+    _flag(lh, "straggler-window", type=int, default=8, help="steps remembered per group (8)")
+    _flag(lh, "straggler-votes", type=int, default=5,
+          help="slow steps within the window that make a straggler (5; at most --straggler-window)")
+    _flag(lh, "straggler-cooldown-s", type=float, default=10.0,
+          help="first eviction's cool-down, doubling on repeats up to 60 s (10)")
+    lh.set_defaults(usage_parser=lh)  # option errors found after parsing print this command's usage
 
     st = sub.add_parser("status", help="print the lighthouse's quorum as a table")
     st.add_argument("--lighthouse", default=None, help=f"gRPC or HTTP address (default: $RALLYPOINT_LIGHTHOUSE, $TORCHFT_LIGHTHOUSE or {DEFAULT_LIGHTHOUSE})")
@@ -81,6 +92,26 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _straggler_policy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """The ``--stragglers`` options as a policy; a usage error (exit 2) when they do not fit."""
+    from rallypoint.lighthouse.stragglers import Policy
+
+    try:
+        return Policy(
+            mode=args.stragglers,
+            threshold=args.straggler_threshold,
+            window=args.straggler_window,
+            votes=args.straggler_votes,
+            cooldown_s=args.straggler_cooldown_s,
+        )
+    except ValueError as e:
+        parser.error(
+            f"--stragglers options: {e} (given --straggler-threshold {args.straggler_threshold:g} "
+            f"--straggler-window {args.straggler_window} --straggler-votes {args.straggler_votes} "
+            f"--straggler-cooldown-s {args.straggler_cooldown_s:g})"
+        )
+
+
 def _run_lighthouse(args: argparse.Namespace) -> int:
     from rallypoint.lighthouse.server import LighthouseServer
     from rallypoint.lighthouse.state import StateFileError
@@ -95,6 +126,7 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
         print(f"rallypoint lighthouse: {e}", file=sys.stderr)
         return 2
     http_bind = None if str(args.http_bind).lower() in ("off", "none", "") else args.http_bind
+    stragglers = _straggler_policy(args, args.usage_parser)  # a usage error (exit 2) before anything starts
     try:
         server = LighthouseServer(
             bind=args.bind,
@@ -107,6 +139,7 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
             token=token,
             forget_after_ms=args.forget_after_ms,
             tls=tls,
+            stragglers=stragglers,
         )
     except (StateFileError, OSError, ValueError) as e:
         # StateFileError (locked, corrupt, newer schema, read-only, disk full) is one complete
@@ -175,7 +208,12 @@ def format_status(s: dict) -> str:
     d = s.get("last_decision")
     if d:
         lines.append(f"last decision: {d.get('rule')}: {d.get('reason')}")
-    rows = [("REPLICA", "IN QUORUM", "STEP", "HEARTBEAT AGE", "STATE", "MANAGER")]
+    strag = s.get("stragglers")
+    if strag:
+        lines.append(f"stragglers: {strag.get('policy')} (threshold {strag.get('threshold')}, "
+                     f"{strag.get('votes')} of {strag.get('window')} steps); "
+                     f"{len(strag.get('excluded') or [])} excluded, {strag.get('evictions_total', 0)} eviction(s)")
+    rows = [("REPLICA", "IN QUORUM", "STEP", "HEARTBEAT AGE", "STATE", "STRAGGLER", "MANAGER")]
     for r in s.get("replicas", []):
         age = r.get("heartbeat_age_s")
         state = "dead" if r.get("dead") else ("asking" if r.get("participating") else ("attached" if r.get("attached") else "-"))
@@ -185,12 +223,26 @@ def format_status(s: dict) -> str:
             "" if r.get("step") is None else str(r["step"]),
             "-" if age is None else f"{age:.2f}s",
             state,
+            _straggler_cell(r.get("straggler")),
             r.get("address", ""),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     return "\n".join(lines)
+
+
+def _straggler_cell(st: Any) -> str:
+    """``1.02``, ``3.10 slow`` (flagged) or ``3.10 excluded 4s`` (evicted); ``-`` without a score."""
+    if not isinstance(st, dict) or st.get("score") is None:
+        return "-"
+    cell = f"{st['score']:.2f}"
+    until = st.get("excluded_until")
+    if until is not None:
+        cell += f" excluded {max(0.0, until - time.time()):.0f}s"
+    elif st.get("flagged"):
+        cell += " slow"
+    return cell
 
 
 def _run_status(args: argparse.Namespace) -> int:

@@ -4,6 +4,12 @@ All methods run on the loop thread, so no locks are needed. The decision itself 
 :func:`rallypoint.lighthouse.quorum.decide`; this module only keeps the inputs up to
 date, calls it whenever they change (and at the next deadline it reports), answers
 waiters when a quorum forms, persists what must survive a restart and feeds metrics.
+
+It also feeds the straggler scorer (:mod:`rallypoint.lighthouse.stragglers`) with the
+step timings each Quorum request carries, and hands its exclusions (``--stragglers
+evict``) to ``decide``. That state is held in memory only: a restarted lighthouse scores
+from empty windows, at the cost of a few steps of evidence, and nothing a straggler did
+outlives the process that judged it.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from rallypoint._net.ratelog import Throttle, left_out_note
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint.lighthouse import quorum as q
+from rallypoint.lighthouse import stragglers as sg
 from rallypoint.lighthouse.metrics import LighthouseMetrics
 from rallypoint.lighthouse.state import MEMORY, StateStore
 from rallypoint.lighthouse.validate import member_to_pb
@@ -27,6 +35,8 @@ log = logging.getLogger("rallypoint.lighthouse")
 _SWEEP_INTERVAL = 0.5
 # How long a quorum with a new quorum_id waits for the state file before it is answered.
 _PERSIST_TIMEOUT = 2.0
+# Malformed step_stats are logged (at debug) at most this often: every step could bring one.
+_BAD_STATS_LOG_INTERVAL = 60.0
 
 
 def _answer(waiters: list[asyncio.Future], payload: bytes) -> None:
@@ -84,6 +94,7 @@ class LighthouseCore:
         forget_after: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        stragglers: sg.Policy | None = None,
     ) -> None:
         self.options = options
         self.store = store
@@ -114,6 +125,9 @@ class LighthouseCore:
         self._wakeup: asyncio.Event | None = None
         self._timer: asyncio.Task | None = None
         self._last_sweep = 0.0
+        # Straggler scores and exclusions: memory only (see the module docstring).
+        self.stragglers = sg.StragglerTracker(stragglers)
+        self._stats_log = Throttle(_BAD_STATS_LOG_INTERVAL, clock)
         self.started = wall()
         if restored.quorum_id:
             log.info(
@@ -185,6 +199,7 @@ class LighthouseCore:
         if member.address:
             self._addresses[rid] = member.address
         self._steps[rid] = member.step
+        self._score(member, now)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(rid, []).append(fut)
         # Decide right here rather than on a later loop pass: the request that completes
@@ -256,6 +271,59 @@ class LighthouseCore:
         self._update_gauges()
         self._schedule()
 
+    # ---------------------------------------------------------------- stragglers
+    def _score(self, member: q.Member, now: float) -> None:
+        """Feed the request's step timings to the straggler scorer. Never fails the
+        request: ``data`` is untrusted, and a bad report only goes unscored."""
+        rid = member.replica_id
+        try:
+            stats = sg.parse_step_stats(member.data)
+            if stats is None:
+                return
+            events = self.stragglers.observe(
+                rid, stats, now, lambda: self._healthy_now(now), self.options.min_replicas
+            )
+        except sg.BadStepStats as e:
+            left_out = self._stats_log.ready(now)
+            if left_out is not None:
+                log.debug("[%s] step_stats ignored for straggler scores: %s%s", rid, e, left_out_note(left_out))
+            return
+        except Exception:  # a scoring bug must never cost the job its quorum
+            if self._stats_log.ready(now) is not None:
+                log.exception("[%s] straggler scoring failed; the quorum request is served regardless", rid)
+            return
+        self._straggler_events(events, now)
+
+    def _healthy_now(self, now: float) -> set[str]:
+        return q.healthy_replicas(now, q.View(self.heartbeats, self.pending), self.options)
+
+    def _straggler_events(self, events: list[sg.Event], now: float) -> None:
+        """Log, record and count what the scorer reported."""
+        for ev in events:
+            detail = dict(ev.detail)
+            if ev.until is not None:
+                detail["until"] = round(self._to_wall(ev.until, now), 3)
+            self.store.record_event(ev.kind, ev.group, **detail)
+            if ev.kind == sg.EVICTED:
+                self.metrics.straggler_evicted()
+                log.warning(
+                    "[%s] straggler evicted: left out of quorums for %.1fs (score %s at step %s); it keeps "
+                    "heartbeating and heals when readmitted", ev.group, detail["cooldown_s"], detail["score"],
+                    detail["step"],
+                )
+            elif ev.kind == sg.STRAGGLER:
+                log.warning(
+                    "[%s] straggler: compute time %sx the median of its peers (%d of its last %d steps slow, "
+                    "step %s; policy %s)", ev.group, detail["score"], detail["slow_votes"], detail["window"],
+                    detail["step"], self.stragglers.policy.mode,
+                )
+            else:
+                log.info("[%s] %s %s", ev.group, ev.kind.replace("_", " "),
+                         " ".join(f"{k}={v}" for k, v in detail.items()))
+
+    def _to_wall(self, monotonic: float, now: float) -> float:
+        return self._wall() + (monotonic - now)
+
     # ---------------------------------------------------------------- evaluation
     def _schedule(self) -> None:
         """Evaluate soon, once per burst: many requests arriving in one loop
@@ -267,7 +335,11 @@ class LighthouseCore:
     def _evaluate(self) -> None:
         self._eval_scheduled = False
         now = self._clock()
-        view = q.View(self.heartbeats, self.pending, self.previous, self.quorum_id)
+        readmitted = self.stragglers.due(now)
+        if readmitted:
+            self._straggler_events(readmitted, now)
+        excluded = self.stragglers.excluded(now)
+        view = q.View(self.heartbeats, self.pending, self.previous, self.quorum_id, excluded)
         decision = q.decide(now, view, self.options)
         self.metrics.decision(decision.rule.value)
         prev = self.last_decision
@@ -280,7 +352,11 @@ class LighthouseCore:
             self.last_decision_time = self._wall()
         if decision.formed:
             self._form(decision, now)
-        self._set_next_check(decision.next_check)
+        # decide() reports when an excluded replica that asks gets back in; a cool-down
+        # that ends while it is not asking must still be readmitted (event, window) then.
+        readmit = self.stragglers.next_readmission()
+        nxt = decision.next_check
+        self._set_next_check(readmit if nxt is None or (readmit is not None and readmit < nxt) else nxt)
 
     def _form(self, decision: q.Decision, now: float) -> None:
         assert decision.members is not None
@@ -386,12 +462,16 @@ class LighthouseCore:
         for held in (self._addresses, self._steps):
             for rid in [r for r in held if r not in known]:
                 del held[rid]
+        for rid in [r for r in self.stragglers.groups() if r not in known]:
+            self.stragglers.forget(rid)
         self._update_gauges()
 
     def refresh_gauges(self) -> None:
         """Replica-count gauges; computed when metrics are read (and at each sweep),
         not on the per-request path."""
         self._update_gauges()
+        tracker = self.stragglers
+        self.metrics.set_stragglers(tracker.scores(), len(tracker.flagged()), len(tracker.excluded(self._clock())))
 
     def _update_gauges(self) -> None:
         self.metrics.set_replicas(
@@ -430,6 +510,7 @@ class LighthouseCore:
                     "dead": rid in self._dead,
                     "step": self._steps.get(rid),
                     "address": self._addresses.get(rid, ""),
+                    "straggler": self._straggler_status(rid, now),
                 }
             )
         d = self.last_decision
@@ -451,4 +532,18 @@ class LighthouseCore:
                 "join_timeout_ms": int(self.options.join_timeout * 1000),
                 "heartbeat_timeout_ms": int(self.options.heartbeat_timeout * 1000),
             },
+            "stragglers": {
+                **self.stragglers.policy.as_dict(),
+                "flagged": self.stragglers.flagged(),
+                "excluded": sorted(self.stragglers.excluded(now)),
+                "evictions_total": self.stragglers.evictions,
+            },
         }
+
+    def _straggler_status(self, rid: str, now: float) -> dict:
+        """A replica's straggler score for /status, with ``excluded_until`` in wall-clock
+        seconds (or None)."""
+        snap = self.stragglers.snapshot(rid)
+        until = snap["excluded_until"]
+        snap["excluded_until"] = None if until is None or until <= now else round(self._to_wall(until, now), 3)
+        return snap

@@ -13,6 +13,7 @@ same name.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import prometheus_client
@@ -130,6 +131,32 @@ class LighthouseMetrics:
             ["kind"],
             registry=r,
         )
+        # Straggler scores (stragglers.py). Named as issue 15 names them (no "lighthouse_"
+        # infix): they describe the replica groups, not the lighthouse.
+        self._straggler_score = Gauge(
+            "rallypoint_straggler_score",
+            "A replica group's straggler score: the median, over its last --straggler-window steps, of its "
+            "compute time over the median of the other groups' (1 = as fast as its peers). Groups without "
+            "a score yet have no series.",
+            ["replica_id"],
+            registry=r,
+        )
+        self._straggler_evictions = Counter(
+            "rallypoint_straggler_evictions",
+            "Replica groups left out of quorums for a cool-down as stragglers (--stragglers evict).",
+            registry=r,
+        )
+        self._straggler_excluded = Gauge(
+            "rallypoint_straggler_excluded",
+            "Replica groups excluded from quorums right now (straggler cool-down).",
+            registry=r,
+        )
+        self._straggler_flagged = Gauge(
+            "rallypoint_stragglers",
+            "Replica groups currently flagged as stragglers (both policies).",
+            registry=r,
+        )
+        self._score_labels: set[str] = set()
         for kind in KNOWN_RUN_EVENTS:
             self._run_events.labels(kind=kind)
         for state in REPLICA_STATES:
@@ -187,6 +214,22 @@ class LighthouseMetrics:
     def run_event(self, kind: str) -> None:
         """Count one supervisor event recorded (``restart``, ``gave_up``, ...)."""
         self._run_events.labels(kind=kind).inc()
+
+    def straggler_evicted(self) -> None:
+        """Count one straggler eviction."""
+        self._straggler_evictions.inc()
+
+    def set_stragglers(self, scores: Mapping[str, float | None], flagged: int, excluded: int) -> None:
+        """The score of every group that has one; series of groups no longer scored are
+        removed, so ids that come and go (every restart is a new id) do not pile up."""
+        current = {rid for rid, score in scores.items() if score is not None}
+        for rid in self._score_labels - current:
+            self._straggler_score.remove(rid)
+        for rid in current:
+            self._straggler_score.labels(replica_id=rid).set(scores[rid])  # type: ignore[arg-type]
+        self._score_labels = current
+        self._straggler_flagged.set(flagged)
+        self._straggler_excluded.set(excluded)
 
     def render(self) -> bytes:
         """Prometheus text exposition (format 0.0.4) of this lighthouse's registry."""

@@ -21,6 +21,15 @@ The rules (DESIGN.md, "The lighthouse"):
 5. Members are sorted by replica_id; ``quorum_id`` increases when the member list
    changes or a member reports ``commit_failures > 0``.
 
+Exclusion (``View.excluded``, set by the straggler policy ``--stragglers evict``,
+:mod:`rallypoint.lighthouse.stragglers`): until its cool-down ends, an excluded replica
+is not a participant, is not waited for, and does not count among the healthy replicas of
+rule 3, nor among the previous members of rule 2's fast path. Its pending request stays
+pending (its Quorum call just waits); when the cool-down ends (reported as
+``next_check``) it is a participant again and joins the next quorum, behind, so it heals.
+Exclusion never takes the job below ``min_replicas``: while fewer than ``min_replicas``
+healthy replicas would remain without the excluded ones, the exclusion is waived.
+
 Differences from torchft 0.2.0, on purpose: ``shrink_only`` can never produce an empty
 quorum or one below ``min_replicas`` (it restricts the candidates to previous members
 and then the usual minimum applies), and the fast path also respects ``min_replicas``.
@@ -94,12 +103,14 @@ class Options:
 @dataclass(frozen=True)
 class View:
     """What the rules look at: heartbeats (monotonic seconds), pending requests, the
-    previous quorum and the last quorum_id handed out."""
+    previous quorum, the last quorum_id handed out, and the excluded replicas (replica ->
+    monotonic time its exclusion ends; an entry at or before ``now`` is no exclusion)."""
 
     heartbeats: Mapping[str, float] = field(default_factory=dict)
     pending: Mapping[str, Pending] = field(default_factory=dict)
     previous: Quorum | None = None
     quorum_id: int = 0
+    excluded: Mapping[str, float] = field(default_factory=dict)
 
 
 class Rule(str, enum.Enum):
@@ -156,14 +167,33 @@ def next_quorum_id(previous: Quorum | None, quorum_id: int, members: tuple[Membe
     return quorum_id
 
 
-def _expiry_check(now: float, view: View, options: Options, healthy: set[str]) -> float | None:
+def _expiry_check(
+    now: float, view: View, options: Options, healthy: set[str], pending: Mapping[str, Pending]
+) -> float | None:
     """Earliest time a healthy non-participant's heartbeat expires (changes rule 3/4)."""
     times = [
         view.heartbeats[rid] + options.heartbeat_timeout
         for rid in healthy
-        if rid not in view.pending and rid in view.heartbeats
+        if rid not in pending and rid in view.heartbeats
     ]
     return min(times) if times else None
+
+
+def exclusion(now: float, view: View, options: Options, healthy: set[str]) -> tuple[frozenset[str], float | None, str]:
+    """The replicas left out of this decision, when their exclusion next changes, and a
+    note for the reason (empty when nothing is excluded).
+
+    Only healthy replicas matter (an excluded replica that went silent is out anyway).
+    When fewer than ``min_replicas`` healthy replicas would remain, nobody is left out:
+    exclusion is a performance measure and must never stop the job.
+    """
+    active = {rid: until for rid, until in view.excluded.items() if until > now and rid in healthy}
+    if not active:
+        return frozenset(), None, ""
+    shown = ", ".join(sorted(active)[:5]) + (" ..." if len(active) > 5 else "")
+    if len(healthy) - len(active) < options.min_replicas:
+        return frozenset(), None, f", exclusion of {shown} waived (min_replicas={options.min_replicas})"
+    return frozenset(active), min(active.values()), f", {len(active)} excluded ({shown})"
 
 
 def _min_time(*times: float | None) -> float | None:
@@ -173,10 +203,17 @@ def _min_time(*times: float | None) -> float | None:
 
 def decide(now: float, view: View, options: Options) -> Decision:
     """Apply the rules once. Pure: same inputs, same decision."""
-    pending = view.pending
     healthy = healthy_replicas(now, view, options)
+    excluded, excluded_check, excluded_note = exclusion(now, view, options, healthy)
+    pending: Mapping[str, Pending] = view.pending
     previous = view.previous
     prev_ids = previous.replica_id_set if previous is not None else frozenset()
+    # When an excluded replica that is still asking gets back in: decide again then.
+    readmit_check = min((view.excluded[rid] for rid in excluded if rid in view.pending), default=None)
+    if excluded:
+        pending = {rid: p for rid, p in pending.items() if rid not in excluded}
+        healthy = healthy - excluded
+        prev_ids = prev_ids - excluded
     shrink_only = any(p.member.shrink_only for p in pending.values())
 
     candidates = list(pending)
@@ -194,19 +231,22 @@ def decide(now: float, view: View, options: Options) -> Decision:
     n = len(candidates)
     tag = (
         f"[{n} candidates, {len(pending)} participating, {len(healthy)} healthy, "
-        f"shrink_only={shrink_only}{', newcomers held back' if restricted else ''}]"
+        f"shrink_only={shrink_only}{', newcomers held back' if restricted else ''}{excluded_note}]"
     )
 
     if not pending:
-        return Decision(Rule.NO_PARTICIPANTS, f"no quorum requests pending {tag}", quorum_id=view.quorum_id)
+        return Decision(
+            Rule.NO_PARTICIPANTS, f"no quorum requests pending {tag}", quorum_id=view.quorum_id,
+            next_check=readmit_check,
+        )
 
     def formed(rule: Rule, why: str) -> Decision:
         members = tuple(pending[rid].member for rid in candidates)
         qid = next_quorum_id(previous, view.quorum_id, members)
         change = "same members" if qid == view.quorum_id else f"quorum_id {view.quorum_id} -> {qid}"
-        return Decision(rule, f"{why}; {change} {tag}", members=members, quorum_id=qid)
+        return Decision(rule, f"{why}; {change} {tag}", members=members, quorum_id=qid, next_check=readmit_check)
 
-    expiry = _expiry_check(now, view, options, healthy)
+    expiry = _min_time(_expiry_check(now, view, options, healthy, pending), excluded_check)
 
     if n < options.min_replicas:
         return Decision(

@@ -32,6 +32,7 @@ from rallypoint.lighthouse.core import OUTBOX_LIMIT, LighthouseCore, ReplicaDead
 from rallypoint.lighthouse.metrics import LighthouseMetrics
 from rallypoint.lighthouse.quorum import Options
 from rallypoint.lighthouse.state import StateStore
+from rallypoint.lighthouse.stragglers import Policy as StragglerPolicy
 
 log = logging.getLogger("rallypoint.lighthouse")
 
@@ -290,8 +291,9 @@ class LighthouseServer:
     ``state`` is ``":memory:"`` by default here (embedding in tests and jobs); the
     ``rallypoint lighthouse`` command defaults to a file. ``join_timeout_ms`` defaults to
     100 here, as in torchft's ``LighthouseServer`` binding (the command's default is 60000). ``http_bind`` enables the
-    dashboard/status/metrics app (``None``: off). Raises at construction if the port is
-    taken or the state file is held by another lighthouse.
+    dashboard/status/metrics app (``None``: off). ``stragglers`` is the straggler policy
+    (:class:`~rallypoint.lighthouse.stragglers.Policy`; default: report only). Raises at
+    construction if the port is taken or the state file is held by another lighthouse.
     """
 
     def __init__(
@@ -308,6 +310,7 @@ class LighthouseServer:
         forget_after_ms: int | None = None,
         startup_timeout: float = 30.0,
         tls: TlsConfig | None = None,
+        stragglers: StragglerPolicy | None = None,
     ) -> None:
         self._options = Options(
             min_replicas=min_replicas,
@@ -324,6 +327,7 @@ class LighthouseServer:
         self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN; empty is an error
         self._tls = tls or tls_config()  # the argument, else RALLYPOINT_TLS_*
         self._state_path = state
+        self._stragglers = stragglers or StragglerPolicy()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -369,7 +373,10 @@ class LighthouseServer:
         core: LighthouseCore | None = None
         server: grpc.aio.Server | None = None
         try:
-            core = LighthouseCore(self._options, store, metrics, quorum_tick=self._tick, forget_after=self._forget_after)
+            core = LighthouseCore(
+                self._options, store, metrics, quorum_tick=self._tick, forget_after=self._forget_after,
+                stragglers=self._stragglers,
+            )
             self.core = core
             interceptors = [TokenInterceptor(self._token, lambda _m, _w: metrics.rejected("unauthenticated"))] if self._token else []
             server = grpc.aio.server(options=server_options(), interceptors=interceptors)
@@ -389,7 +396,8 @@ class LighthouseServer:
                 await http.start()
                 self._http_address = http.address()
             log.info(
-                "lighthouse %s listening on %s (gRPC%s)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs state=%s",
+                "lighthouse %s listening on %s (gRPC%s)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs "
+                "state=%s stragglers=%s",
                 __version__,
                 self.address(),
                 ", TLS" + (" with client certificates" if self._tls.mutual else "") if self._tls.serving else "",
@@ -398,6 +406,7 @@ class LighthouseServer:
                 self._options.join_timeout,
                 self._options.heartbeat_timeout,
                 store.path,
+                self._stragglers.describe(),
             )
             self._ready.set()
             await self._stop.wait()
