@@ -89,6 +89,20 @@ def _build_parser() -> argparse.ArgumentParser:
     kl.add_argument("--lighthouse", default=None, help="gRPC address of the lighthouse")
     kl.add_argument("--reason", default="killed from the command line")
     kl.add_argument("--timeout", type=float, default=15.0)
+
+    from rallypoint._net.inject import KINDS
+
+    ij = sub.add_parser("inject", help="inject a fault into a replica group (carried out at its next step boundary)")
+    ij.add_argument("kind", choices=KINDS)
+    ij.add_argument("--replica", default=None, help="replica id, or the REPLICA_GROUP_ID it starts with "
+                                                    "(not for lighthouse-restart)")
+    ij.add_argument("--at-step", type=int, default=None, help="carry it out at the first step boundary at or after S")
+    ij.add_argument("--for", dest="for_s", type=float, default=None,
+                    help="seconds a hang or slowdown lasts (default: for good)")
+    ij.add_argument("--factor", type=float, default=None, help="slow: how many times longer each step takes (3)")
+    ij.add_argument("--bit", type=int, default=None, help="bitflip-*: which bit of element 0 (30)")
+    ij.add_argument("--lighthouse", default=None, help="gRPC address of the lighthouse")
+    ij.add_argument("--timeout", type=float, default=10.0)
     return p
 
 
@@ -127,6 +141,7 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
         return 2
     http_bind = None if str(args.http_bind).lower() in ("off", "none", "") else args.http_bind
     stragglers = _straggler_policy(args, args.usage_parser)  # a usage error (exit 2) before anything starts
+    restart = threading.Event()  # a `lighthouse-restart` injection
     try:
         server = LighthouseServer(
             bind=args.bind,
@@ -140,6 +155,7 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
             forget_after_ms=args.forget_after_ms,
             tls=tls,
             stragglers=stragglers,
+            on_restart=restart.set,
         )
     except (StateFileError, OSError, ValueError) as e:
         # StateFileError (locked, corrupt, newer schema, read-only, disk full) is one complete
@@ -156,12 +172,44 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    while not stop.wait(0.5):
+    while not stop.wait(0.5) and not restart.is_set():
         if server.wait(0):
             print("rallypoint lighthouse: the service stopped unexpectedly (see the log above)", file=sys.stderr)
             return 1
     server.shutdown()
+    if restart.is_set():
+        _restart_lighthouse(args.argv, server.address(), server.http_address())
     return 0
+
+
+def _restart_lighthouse(given: list[str], grpc_addr: str, http_addr: str | None) -> None:
+    """A `lighthouse-restart` injection: start this command again in this process (the
+    same pid, so a supervisor sees no exit), on the ports it had (a ``:0`` bind would move
+    it), from its state file. Clients see it go and come back, as after a real restart."""
+    from rallypoint._net.addr import split_host_port
+
+    argv = list(given)
+
+    def pin(flag: str, addr: str | None) -> None:
+        if addr is None:
+            return
+        port = split_host_port(addr.split("://")[-1])[1]
+        for i, a in enumerate(argv):
+            if a in (flag, "--" + flag[2:].replace("-", "_")) and i + 1 < len(argv):
+                argv[i + 1] = f"{split_host_port(argv[i + 1])[0]}:{port}"
+                return
+            if a.startswith(flag + "="):
+                argv[i] = f"{flag}={split_host_port(a.split('=', 1)[1])[0]}:{port}"
+                return
+        argv.extend([flag, f"[::]:{port}" if flag == "--bind" else f"0.0.0.0:{port}"])
+
+    pin("--bind", grpc_addr)
+    pin("--http-bind", http_addr)
+    log.warning("restarting the lighthouse (injected): %s -m rallypoint %s", sys.executable, " ".join(argv))
+    for h in logging.getLogger().handlers:
+        h.flush()
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "rallypoint", *argv])
 
 
 def _fetch_status(address: str, timeout: float) -> dict:
@@ -273,6 +321,27 @@ def _run_kill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_inject(args: argparse.Namespace) -> int:
+    from rallypoint.lighthouse.client import LighthouseClient
+
+    address = args.lighthouse or _lighthouse_env()
+    request = {"kind": args.kind, "replica": args.replica, "at_step": args.at_step, "for_s": args.for_s,
+               "factor": args.factor, "bit": args.bit}
+    try:
+        with LighthouseClient(address, connect_timeout=5.0) as c:
+            ident, rid = c.inject({k: v for k, v in request.items() if v is not None}, timeout=args.timeout)
+    except (KeyError, ValueError) as e:
+        print(f"rallypoint inject: refused by the lighthouse at {address}: {str(e).strip(chr(39))}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        print(f"rallypoint inject: {e}", file=sys.stderr)
+        return 1
+    where = f"replica {rid} (at its next step boundary" + (f" at or after step {args.at_step})" if args.at_step
+                                                             is not None else ")") if rid else "the lighthouse"
+    print(f"injection {ident}: {args.kind} into {where}")
+    return 0
+
+
 def _run_group(args: argparse.Namespace) -> int:
     from rallypoint.supervisor.supervisor import main as run_main
 
@@ -281,11 +350,13 @@ def _run_group(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a restart runs again
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handlers = {"lighthouse": _run_lighthouse, "run": _run_group, "status": _run_status, "kill": _run_kill}
+    handlers = {"lighthouse": _run_lighthouse, "run": _run_group, "status": _run_status, "kill": _run_kill,
+                "inject": _run_inject}
     return handlers[args.command](args)
 
 

@@ -98,7 +98,7 @@ def test_our_additions_live_in_their_own_package() -> None:
     assert rallypoint_pb2.DESCRIPTOR.package == "rallypoint"
     assert "torchft.proto" in [d.name for d in rallypoint_pb2.DESCRIPTOR.dependencies]
     methods = [m.name for m in rallypoint_pb2.DESCRIPTOR.services_by_name["RallypointLighthouse"].methods]
-    assert methods == ["Attach", "Status", "KillReplica", "ReportEvent"]
+    assert methods == ["Attach", "Status", "KillReplica", "ReportEvent", "Inject"]
 
 
 def test_lighthouse_side_imports_no_torch() -> None:

@@ -110,3 +110,17 @@ class QuorumStripe(_message.Message):
     src_manager_addresses: _containers.RepeatedScalarFieldContainer[str]
     dst_replica_ranks: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, src_replica_ranks: _Optional[_Iterable[int]] = ..., src_manager_addresses: _Optional[_Iterable[str]] = ..., dst_replica_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class InjectRequest(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class InjectResponse(_message.Message):
+    __slots__ = ("id", "replica_id")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    replica_id: str
+    def __init__(self, id: _Optional[str] = ..., replica_id: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,11 @@ class RallypointLighthouseStub:
                 request_serializer=rallypoint__pb2.SupervisorEvent.SerializeToString,
                 response_deserializer=rallypoint__pb2.ReportEventResponse.FromString,
                 _registered_method=True)
+        self.Inject = channel.unary_unary(
+                '/rallypoint.RallypointLighthouse/Inject',
+                request_serializer=rallypoint__pb2.InjectRequest.SerializeToString,
+                response_deserializer=rallypoint__pb2.InjectResponse.FromString,
+                _registered_method=True)
 
 
 class RallypointLighthouseServicer:
@@ -88,6 +93,12 @@ class RallypointLighthouseServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Inject(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RallypointLighthouseServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +121,11 @@ def add_RallypointLighthouseServicer_to_server(servicer, server):
                     servicer.ReportEvent,
                     request_deserializer=rallypoint__pb2.SupervisorEvent.FromString,
                     response_serializer=rallypoint__pb2.ReportEventResponse.SerializeToString,
+            ),
+            'Inject': grpc.unary_unary_rpc_method_handler(
+                    servicer.Inject,
+                    request_deserializer=rallypoint__pb2.InjectRequest.FromString,
+                    response_serializer=rallypoint__pb2.InjectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +236,33 @@ class RallypointLighthouse:
             '/rallypoint.RallypointLighthouse/ReportEvent',
             rallypoint__pb2.SupervisorEvent.SerializeToString,
             rallypoint__pb2.ReportEventResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Inject(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rallypoint.RallypointLighthouse/Inject',
+            rallypoint__pb2.InjectRequest.SerializeToString,
+            rallypoint__pb2.InjectResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -88,7 +88,11 @@ class LighthouseClient:
         shrink_only: bool | None = None,
         data: dict | str | None = None,
         commit_failures: int = 0,
+        on_trailing: Callable[[Any], None] | None = None,
     ) -> Quorum:
+        """Ask for a quorum; blocks until one that contains ``replica_id`` forms.
+        ``on_trailing`` gets the answer's trailing metadata (a rallypoint lighthouse hands
+        fault injections to the group there)."""
         requester = pb.QuorumMember(
             replica_id=replica_id,
             address=address or "",
@@ -101,11 +105,13 @@ class LighthouseClient:
         )
         secs = seconds(timeout)
         try:
-            resp = self._quorum(
+            resp, call = self._quorum.with_call(
                 pb.LighthouseQuorumRequest(requester=requester), timeout=secs, metadata=self._metadata
             )
         except grpc.RpcError as e:
             raise _translate(e, f"quorum for replica {replica_id} at {self.addr}", secs) from None
+        if on_trailing is not None:
+            on_trailing(call.trailing_metadata())
         return quorum_from_pb(resp.quorum)
 
     def heartbeat(self, replica_id: str, timeout: float | timedelta = 5.0) -> None:
@@ -142,6 +148,25 @@ class LighthouseClient:
                 raise KeyError(e.details()) from None
             raise translate_rpc_error(e, f"kill of replica {replica_id} via {self.addr}", timeout) from None
         return resp.address
+
+    def inject(self, request: dict[str, Any], timeout: float = 10.0) -> tuple[str, str]:
+        """Ask for a fault injection (``{"kind": ..., "replica": ..., ...}``; see
+        :mod:`rallypoint.lighthouse.injections`); returns ``(injection id, replica id)``.
+        Raises KeyError for an unknown replica, ValueError for a refused request."""
+        call = self._channel.unary_unary(
+            "/rallypoint.RallypointLighthouse/Inject",
+            request_serializer=rpb.InjectRequest.SerializeToString,
+            response_deserializer=rpb.InjectResponse.FromString,
+        )
+        try:
+            resp = call(rpb.InjectRequest(json=json.dumps(request)), timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise KeyError(e.details()) from None
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                raise ValueError(e.details()) from None
+            raise translate_rpc_error(e, f"injection via {self.addr}", timeout) from None
+        return resp.id, resp.replica_id
 
     def report_event(self, group: str, kind: str, details: dict[str, Any] | None = None, timeout: float = 5.0) -> int:
         """Record a ``rallypoint run`` event (``restart``, ``gave_up``, ``stopped``,

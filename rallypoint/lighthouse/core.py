@@ -25,6 +25,7 @@ from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint.lighthouse import quorum as q
 from rallypoint.lighthouse import stragglers as sg
+from rallypoint.lighthouse.injections import InjectionDesk
 from rallypoint.lighthouse.metrics import LighthouseMetrics
 from rallypoint.lighthouse.state import MEMORY, StateStore
 from rallypoint.lighthouse.validate import member_to_pb
@@ -127,6 +128,7 @@ class LighthouseCore:
         self._last_sweep = 0.0
         # Straggler scores and exclusions: memory only (see the module docstring).
         self.stragglers = sg.StragglerTracker(stragglers)
+        self.injections = InjectionDesk()  # `rallypoint inject`: handed out with the next quorum answer
         self._stats_log = Throttle(_BAD_STATS_LOG_INTERVAL, clock)
         self.started = wall()
         if restored.quorum_id:
@@ -464,6 +466,8 @@ class LighthouseCore:
                 del held[rid]
         for rid in [r for r in self.stragglers.groups() if r not in known]:
             self.stragglers.forget(rid)
+        for rid in [r for r in self.injections.pending() if r not in known]:
+            self.injections.forget(rid)
         self._update_gauges()
 
     def refresh_gauges(self) -> None:

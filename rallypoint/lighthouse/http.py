@@ -10,8 +10,8 @@ next to the gRPC server. That is the point of this module's shape:
   behave the same as for the gRPC port and a bind error names the address) and never
   lets uvicorn touch process signals or logging configuration: the lighthouse owns both.
 
-Read-only routes stay open; the one mutating route (kill) needs the lighthouse's bearer
-token when one is configured, because killing a replica costs the job a recovery.
+Read-only routes stay open; the mutating routes (kill, inject) need the lighthouse's bearer
+token when one is configured, because killing or faulting a replica costs the job a recovery.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from rallypoint._net import addr as addrs
 from rallypoint._net.auth import bearer_matches, bearer_token
+from rallypoint._net.inject import Injection
 from rallypoint._net.tls import TlsConfig, uvicorn_ssl_kwargs
+from rallypoint.lighthouse.injections import MAX_REQUEST_BYTES, UnknownReplica, check_request
 from rallypoint.lighthouse.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 logger = logging.getLogger("rallypoint.lighthouse.http")
@@ -85,6 +87,10 @@ class LighthouseView(Protocol):
 
     def metrics(self) -> bytes:
         """Prometheus text exposition."""
+        ...
+
+    def inject(self, name: str, inj: Injection) -> str:
+        """Accept a fault injection; the replica it goes to (raises as ``_View.inject``)."""
         ...
 
     async def kill(self, replica_id: str, reason: str) -> str:
@@ -277,6 +283,23 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
             reason,
         )
         return JSONResponse({"replica_id": replica_id, "address": address, "reason": reason})
+
+    @app.post("/inject", dependencies=[Depends(require_token)])
+    async def inject(request: Request) -> JSONResponse:
+        """A fault injection (``rallypoint inject``; :mod:`rallypoint.lighthouse.injections`):
+        ``{"kind": "slow", "replica": "replica_1", "factor": 3, "for_s": 30}``."""
+        raw = await request.body()
+        try:
+            name, inj = check_request(raw)
+            rid = view.inject(name, inj)
+        except UnknownReplica as e:
+            raise HTTPException(status_code=404, detail=str(e)) from None
+        except ValueError as e:  # a malformed request, or too many waiting for the replica
+            raise HTTPException(status_code=413 if len(raw) > MAX_REQUEST_BYTES else 422, detail=str(e)) from None
+        except RuntimeError as e:
+            raise HTTPException(status_code=409, detail=str(e)) from None
+        logger.warning("injection %s (%s) into %r requested by %s", inj.id, inj.kind, rid, _client(request))
+        return JSONResponse({"id": inj.id, "kind": inj.kind, "replica_id": rid})
 
     return app
 

@@ -15,12 +15,13 @@ import asyncio
 import json
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 
 from rallypoint._net import __version__
 from rallypoint._net.auth import TokenInterceptor, job_token
+from rallypoint._net.inject import INJECT_KEY, Injection, encode_injections
 from rallypoint._net.limits import MAX_REASON_BYTES, clip
 from rallypoint._net.rpc import channel_options, server_options, unary_handler
 from rallypoint._net.tls import TlsConfig, add_port, aio_channel, check_server, tls_config
@@ -29,6 +30,7 @@ from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net import addr as addrs
 from rallypoint.lighthouse import reports, validate
 from rallypoint.lighthouse.core import OUTBOX_LIMIT, LighthouseCore, ReplicaDead, _Attachment
+from rallypoint.lighthouse.injections import LIGHTHOUSE_KINDS, UnknownReplica, check_request, resolve
 from rallypoint.lighthouse.metrics import LighthouseMetrics
 from rallypoint.lighthouse.quorum import Options
 from rallypoint.lighthouse.state import StateStore
@@ -115,10 +117,30 @@ class _Service:
             raise AssertionError("unreachable")
         log.debug("[%s] quorum request at step %d", member.replica_id, member.step)
         try:
-            return await self.core.request_quorum(member)
+            answer = await self.core.request_quorum(member)
         except ReplicaDead as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             raise AssertionError("unreachable")
+        injections = self.core.injections.take(member.replica_id)
+        if injections:  # `rallypoint inject`: carried out by the group at its next step boundary
+            context.set_trailing_metadata(((INJECT_KEY, encode_injections(injections)),))
+        return answer
+
+    async def inject(self, request: rpb.InjectRequest, context: grpc.aio.ServicerContext) -> rpb.InjectResponse:
+        try:
+            name, inj = check_request(request.json)
+        except ValueError as e:
+            await self._invalid(context, e)
+            raise AssertionError("unreachable")
+        try:
+            rid = self.view.inject(name, inj)
+        except UnknownReplica as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            raise AssertionError("unreachable")
+        except (ValueError, RuntimeError) as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise AssertionError("unreachable")
+        return rpb.InjectResponse(id=inj.id, replica_id=rid)
 
     async def heartbeat(
         self, request: pb.LighthouseHeartbeatRequest, context: grpc.aio.ServicerContext
@@ -236,6 +258,7 @@ def _handlers(service: _Service) -> list[grpc.GenericRpcHandler]:
             "Status": unary_handler(service.status, rpb.StatusRequest, _raw, invalid),
             "KillReplica": unary_handler(service.kill_replica, rpb.KillReplicaRequest, _raw, invalid),
             "ReportEvent": unary_handler(service.report_event, rpb.SupervisorEvent, _raw, invalid),
+            "Inject": unary_handler(service.inject, rpb.InjectRequest, _raw, invalid),
         },
     )
     return [lighthouse, extension]
@@ -244,11 +267,32 @@ def _handlers(service: _Service) -> list[grpc.GenericRpcHandler]:
 class _View:
     """What the HTTP app sees (called on the loop thread)."""
 
-    def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, token: str | None, tls: TlsConfig) -> None:
+    def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, token: str | None, tls: TlsConfig,
+                 on_restart: Callable[[], None] | None = None) -> None:
         self.core = core
         self._metrics = metrics
         self._token = token
         self._tls = tls
+        self._on_restart = on_restart
+
+    def inject(self, name: str, inj: Injection) -> str:
+        """Accept a checked injection (see :mod:`injections`); returns the replica it goes
+        to. Raises ``UnknownReplica``, ``ValueError`` (too many waiting) or ``RuntimeError``
+        (a restart this lighthouse cannot do); nothing is recorded then."""
+        if inj.kind in LIGHTHOUSE_KINDS:
+            if self._on_restart is None:
+                raise RuntimeError("this lighthouse cannot restart itself (it is embedded in another program); "
+                                   "lighthouse-restart needs one started by `rallypoint lighthouse`")
+            self.core.store.record_event("inject", None, injection=inj.id, injected=inj.kind)
+            log.warning("injection %s: restarting the lighthouse", inj.id)
+            asyncio.get_running_loop().call_later(0.2, self._on_restart)  # after the answer is out
+            return ""
+        rid = resolve(name, set(self.core.heartbeats) | set(self.core.pending))
+        self.core.injections.add(rid, inj)
+        self.core.store.record_event("inject", rid, injection=inj.id, injected=inj.kind,
+                                     **{k: v for k, v in inj.to_json().items() if k not in ("id", "kind")})
+        log.warning("[%s] injection %s (%s) handed to the group with its next quorum", rid, inj.id, inj.kind)
+        return rid
 
     def status(self) -> dict:
         s = self.core.status()
@@ -311,6 +355,7 @@ class LighthouseServer:
         startup_timeout: float = 30.0,
         tls: TlsConfig | None = None,
         stragglers: StragglerPolicy | None = None,
+        on_restart: Callable[[], None] | None = None,
     ) -> None:
         self._options = Options(
             min_replicas=min_replicas,
@@ -328,6 +373,9 @@ class LighthouseServer:
         self._tls = tls or tls_config()  # the argument, else RALLYPOINT_TLS_*
         self._state_path = state
         self._stragglers = stragglers or StragglerPolicy()
+        # Called (on the loop thread) for a `lighthouse-restart` injection; None: this
+        # lighthouse cannot restart itself (embedded in a process), and refuses it.
+        self._on_restart = on_restart
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -380,7 +428,7 @@ class LighthouseServer:
             self.core = core
             interceptors = [TokenInterceptor(self._token, lambda _m, _w: metrics.rejected("unauthenticated"))] if self._token else []
             server = grpc.aio.server(options=server_options(), interceptors=interceptors)
-            view = _View(core, metrics, self._token, self._tls)
+            view = _View(core, metrics, self._token, self._tls, self._on_restart)
             server.add_generic_rpc_handlers(_handlers(_Service(core, metrics, view)))
             try:
                 port = add_port(server, self._bind, self._tls)

@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+from torch.distributed import ReduceOp
 
 from rallypoint.process_groups.work import CompletedWork
 
@@ -71,5 +72,32 @@ class ManagedWork(DoneWork):
         self.wait()
         return super().get_future()
 
+    @classmethod
+    def post(cls, sink: _FailureSink, pg: Any, tensor: torch.Tensor, quantize: bool, reduce_op: Any,
+             divisor: int | None) -> "ManagedWork":
+        """Post ``tensor``'s allreduce on ``pg`` (a mean is a sum finished by ``wait``)."""
+        if quantize:
+            from rallypoint.process_groups.quantization import allreduce_quantized
 
-__all__ = ["DoneWork", "ManagedWork"]
+            work = allreduce_quantized(pg, [tensor], timeout=sink.timeout)
+        else:
+            work = pg.allreduce([tensor], ReduceOp.SUM if reduce_op == ReduceOp.AVG else reduce_op)
+        return cls(sink, work, tensor, divisor)
+
+
+def allreduce_args(should_quantize: Any, reduce_op: Any, zeros: bool, who: str) -> tuple[bool, Any]:
+    """``Manager.allreduce``'s ``(should_quantize, reduce_op)``, checked. The order is
+    torchft's; a ``ReduceOp`` passed second is taken as ``reduce_op`` (our old order).
+    Only a sum or mean stays right when someone contributes zeros (``zeros``: a healing
+    or spare replica takes part), and quantization supports only those."""
+    if not isinstance(should_quantize, bool):
+        should_quantize, reduce_op = False, should_quantize
+    if should_quantize and reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"{who}: a quantized allreduce supports SUM and AVG, not {reduce_op}")
+    if zeros and reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"{who}: allreduce with {reduce_op} while some replicas are healing or spares (they "
+                         "contribute zeros); only SUM and AVG are supported then")
+    return should_quantize, reduce_op
+
+
+__all__ = ["DoneWork", "ManagedWork", "allreduce_args"]

@@ -21,6 +21,7 @@ from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net.limits import MAX_ADDRESS_BYTES, utf8_len
 from rallypoint._net.addr import grpc_target
+from rallypoint._net.inject import INJECT_KEY, MAX_INJECT_BYTES
 from rallypoint._net.auth import bearer_metadata, job_token
 from rallypoint._net.rpc import channel_options, seconds, translate_rpc_error
 from rallypoint._net.tls import TlsConfig, tls_config
@@ -111,6 +112,15 @@ def with_stripe(r: QuorumResult, trailing: Any) -> QuorumResult:
         return r
     return dataclasses.replace(r, recover_src_replica_ranks=srcs, recover_src_manager_addresses=addrs,
                                stripe_dst_replica_ranks=list(msg.dst_replica_ranks)[: r.replica_world_size])
+
+
+def with_inject(r: QuorumResult, trailing: Any) -> QuorumResult:
+    """``r`` with the fault injections a rallypoint ManagerServer passed on in ``trailing``
+    (raw; the Manager checks them before carrying them out); over the size limit: none."""
+    raw = next((v for k, v in (trailing or ()) if k == INJECT_KEY), None)
+    if not isinstance(raw, bytes) or not raw or len(raw) > MAX_INJECT_BYTES:
+        return r
+    return dataclasses.replace(r, inject=raw)
 
 
 def quorum_request(
@@ -205,7 +215,8 @@ class ManagerClient:
             resp, call = self._quorum_call.with_call(req, timeout=secs, metadata=metadata)
         except grpc.RpcError as e:
             raise self._translate(e, f"quorum for group rank {group_rank} at step {step}", secs) from None
-        return with_stripe(result_from_pb(resp), call.trailing_metadata())
+        trailing = call.trailing_metadata()
+        return with_inject(with_stripe(result_from_pb(resp), trailing), trailing)
 
     def _checkpoint_metadata(self, rank: int, timeout: float | timedelta) -> str:
         """The checkpoint metadata group rank ``rank`` sent with its last quorum request."""

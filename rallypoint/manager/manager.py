@@ -56,12 +56,14 @@ from rallypoint.manager import _progress
 from rallypoint.manager._config import ReplicaLog as _ReplicaLog, WorldSizeMode, env as _env, td as _td
 from rallypoint.manager._connect import GroupConnection
 from rallypoint.manager._failfast import FailFast
+from rallypoint._net.inject import parse_injections
 from rallypoint.manager._heal import Healer
+from rallypoint.manager._inject import Injector
 from rallypoint.manager._outage import Outage, quorum_failure
 from rallypoint.manager._peer_relay import PeerDownRelay
 from rallypoint.manager._record import KEEP as _KEEP_RECORDS, StepRecord
 from rallypoint.manager._state import UserState
-from rallypoint.manager._work import DoneWork, ManagedWork
+from rallypoint.manager._work import DoneWork, ManagedWork, allreduce_args
 from rallypoint.manager.recovery import QuorumResult
 from rallypoint.process_groups.protocols import ReconfigurableProcessGroup
 from rallypoint.transports.base import CheckpointTransportLike
@@ -170,6 +172,7 @@ class Manager(GroupConnection):
         self._records: deque[StepRecord] = deque(maxlen=_KEEP_RECORDS)
         self._round_end: float | None = None  # monotonic: when the last round ended
         self._ff = FailFast(pg, self._log, str(replica_id), self._timeout, on_error=self._note_error)
+        self._injector = Injector(str(replica_id), lambda: self._user_state.snapshot(dict)["user"], self._closing)
 
         self._own_transport = checkpoint_transport is None
         if checkpoint_transport is None:
@@ -256,6 +259,9 @@ class Manager(GroupConnection):
         rnd = self._cur = _Round(StepRecord(round=prev.round + 1, step=self._step,
                                             since=self._round_end if self._round_end is not None else now, started=now))
         self._ff.new_round(rnd.rec.round, self._step)
+        # A step boundary: injected faults (`rallypoint inject`) happen here.
+        base = None if prev.compute_s is None else prev.compute_s - prev.extra.get("injected_sleep_s", 0.0)
+        rnd.rec.extra.update(self._injector.at_step_start(self.current_step(), base))
         self._quorum_future = self._executor.submit(
             self._async_quorum, rnd, allow_heal, shrink_only, timeout or self._quorum_timeout, stats
         )
@@ -324,6 +330,11 @@ class Manager(GroupConnection):
         self._outage.passed()
         self._last_quorum = q
         self._ff.quorum_arrived(q.replica_ids)
+        if q.inject:
+            try:
+                self._injector.add(parse_injections(q.inject))
+            except ValueError as e:
+                self._log.warning("ignored malformed injections: %s", e)
         if self._use_async_quorum or not allow_heal:
             prank, pws = q.max_replica_rank, q.max_world_size
         else:
@@ -431,41 +442,27 @@ class Manager(GroupConnection):
         a quarter of the bytes for fp32; SUM/AVG only; see
         :mod:`rallypoint.process_groups.quantization` for the error it introduces). The
         argument order is torchft's; a ``ReduceOp`` passed second is taken as ``reduce_op``."""
-        if not isinstance(should_quantize, bool):  # allreduce(t, ReduceOp.SUM): our old order
-            should_quantize, reduce_op = False, should_quantize
-        if should_quantize and reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
-            raise ValueError(f"replica {self._replica_id}: a quantized allreduce supports SUM and AVG, not {reduce_op}")
+        who = f"replica {self._replica_id}"
+        should_quantize, reduce_op = allreduce_args(should_quantize, reduce_op, False, who)
         if self.errored() is not None:
             return DoneWork(tensor)
         self._wait_future()
         if self.errored() is not None:
             return DoneWork(tensor)
-        avg = reduce_op == ReduceOp.AVG
-        if not self.is_participating() or self._participating_world_size < self._quorum_size():
-            # Someone contributes zeros: only a sum (or mean) stays right.
-            if reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
-                raise ValueError(
-                    f"replica {self._replica_id}: allreduce with {reduce_op} while some replicas are healing or "
-                    "spares (they contribute zeros); only SUM and AVG are supported then"
-                )
+        zeros = not self.is_participating() or self._participating_world_size < self._quorum_size()
+        allreduce_args(should_quantize, reduce_op, zeros, who)
         if not self.is_participating():
             tensor.zero_()
+        if self._injector.on_collective(tensor) == "drop":
+            self._ff.comm_failed(RuntimeError("injected fault: drop-collective"))
+            return DoneWork(tensor)
         rec = self._cur.rec
         if rec.first_collective is None:
             rec.first_collective = time.monotonic()
         rec.collectives += 1
-        divisor = max(1, self._participating_world_size) if avg else None
-
-        def post() -> ManagedWork:
-            if should_quantize:
-                from rallypoint.process_groups.quantization import allreduce_quantized
-
-                work = allreduce_quantized(self._pg, [tensor], timeout=self._timeout)
-            else:
-                work = self._pg.allreduce([tensor], ReduceOp.SUM if avg else reduce_op)
-            return ManagedWork(self._ff, work, tensor, divisor)
-
-        managed = self._ff.add_work(post)
+        divisor = max(1, self._participating_world_size) if reduce_op == ReduceOp.AVG else None
+        managed = self._ff.add_work(lambda: ManagedWork.post(self._ff, self._pg, tensor, should_quantize, reduce_op,
+                                                             divisor))
         return DoneWork(tensor) if managed is None else managed
 
     def _quorum_size(self) -> int:

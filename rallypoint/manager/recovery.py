@@ -60,6 +60,8 @@ class QuorumResult:
     recover_src_manager_addresses: list[str] = field(default_factory=list)
     #: striped healing: every healing member, for a source (it may fetch parts from us)
     stripe_dst_replica_ranks: list[int] = field(default_factory=list)
+    #: fault injections for this replica group (rallypoint only; JSON, see manager/_inject.py)
+    inject: bytes = b""
 
 
 def compute_quorum_result(quorum: Quorum, replica_id: str, group_rank: int, init_sync: bool = True) -> QuorumResult:

@@ -25,6 +25,7 @@ The decisions themselves are pure functions in :mod:`rallypoint.manager.rules`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures as cf
 import functools
 import json
@@ -49,6 +50,7 @@ from rallypoint.manager.client import result_to_pb
 from rallypoint.manager.client import stripe_metadata
 from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
 from rallypoint.manager import rules
+from rallypoint._net.inject import INJECT_KEY, parse_injections
 from rallypoint.manager._votes import RANK_KEY_HEADER, CommitVotes, claim_rank, new_future, new_rank_key
 
 log = logging.getLogger("rallypoint.manager")
@@ -85,6 +87,7 @@ class _QuorumRound:
     stats: dict[int, dict[str, Any] | None] = field(default_factory=dict)  # checked step stats, per rank
     result: asyncio.Future = field(default_factory=new_future)
     fired: bool = False
+    inject: bytes = b""  # checked fault injections the lighthouse handed the group with its answer
 
 
 class _Failure(Exception):
@@ -299,9 +302,9 @@ class ManagerServer:
             result = await self._join_quorum(req, context.time_remaining(), stats)
         except _Failure as f:
             await context.abort(f.code, f.message)
-        stripe = stripe_metadata(result)
-        if stripe is not None:
-            context.set_trailing_metadata(stripe)
+        trailing = [*(stripe_metadata(result) or ()), *((INJECT_KEY, result.inject),) * bool(result.inject)]
+        if trailing:
+            context.set_trailing_metadata(tuple(trailing))
         return result_to_pb(result)
 
     async def _step_stats(self, context: grpc.aio.ServicerContext, rank: int) -> dict[str, Any] | None:
@@ -365,7 +368,17 @@ class ManagerServer:
         if result.heal:
             log.info("[%s] group rank %d heals: step %d < max_step %d, source replica rank %s",
                      self.replica_id, rank, req.step, result.max_step, result.recover_src_replica_rank)
-        return result
+        return dataclasses.replace(result, inject=rnd.inject) if rnd.inject else result
+
+    def _injections(self, rnd: _QuorumRound, trailing: Any) -> None:
+        """Fault injections the lighthouse handed this group with its answer: checked, then
+        passed to every rank with its result (``rallypoint inject``)."""
+        raw = next((v for k, v in trailing or () if k == INJECT_KEY), b"")
+        try:
+            if parse_injections(raw):
+                rnd.inject = bytes(raw)
+        except ValueError as e:
+            log.warning("[%s] ignored malformed injections from the lighthouse: %s", self.replica_id, e)
 
     async def _ask_lighthouse(self, rnd: _QuorumRound) -> None:
         now = time.monotonic()
@@ -379,7 +392,8 @@ class ManagerServer:
         ask = functools.partial(self._lighthouse.quorum, self.replica_id, address=self.address(),
                                 store_address=self.store_addr, step=rnd.step, world_size=self.world_size,
                                 shrink_only=group.shrink_only, data=json.dumps(group.data),
-                                commit_failures=group.commit_failures)
+                                commit_failures=group.commit_failures,
+                                on_trailing=functools.partial(self._injections, rnd))
         attempt = 0
         while True:
             try:
