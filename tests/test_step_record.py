@@ -53,7 +53,7 @@ def test_stats_are_what_the_lighthouse_gets_and_the_dict_is_json() -> None:
                outcome="committed")
     stats = rec.stats()
     assert stats is not None and set(stats) == {"step", "round", "outcome", "step_s", "compute_s", "quorum_wait_s",
-                                                "comm_s", "heal_s", "commit_s"}
+                                                "comm_s", "heal_s", "commit_s", "configure_s"}
     assert stats["outcome"] == "committed" and stats["step"] == 4 and stats["compute_s"] == pytest.approx(2.0)
     d = json.loads(json.dumps(rec.as_dict()))
     assert d["participants"] == ["a", "b"] and d["kind"] == "committed" and "since" not in d
@@ -95,6 +95,7 @@ def test_a_manager_records_each_round(lighthouse, monkeypatch) -> None:
         assert m.should_commit() is False
         second = m.step_record()
         assert second is not None and second.outcome == "failed" and "bad batch" in (second.error or "")
+        assert second.cause == "error" and second.stats()["cause"] == "error"
         assert second.round == 2 and second.step == 1 and second.collectives == 0
 
         m.start_quorum()
@@ -118,3 +119,19 @@ def test_stats_of_every_kind_of_round_pass_the_servers_check() -> None:
                     outcome="committed")):
         stats = _rec(**kw).stats()
         assert stats is not None and check_step_stats(stats) == stats, kw
+
+
+@pytest.mark.parametrize("error, cause", [
+    (ConnectionError("peer replica b:1 went down (stream_broken: connection lost)"), "peer_down"),
+    (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"), "error"),
+    (RuntimeError("Gloo allreduce failed: Connection reset"), "comm"),
+    (TimeoutError("allreduce did not complete in time"), "comm"),
+    (TimeoutError("quorum for group rank 0 at step 3 timed out"), "quorum"),
+    (RuntimeError("injected fault: drop-collective"), "injected"),
+    (RuntimeError("silent data corruption: replica 1's gradient norm is NaN"), "sdc"),
+    (KeyError("received state has no 'model' entry"), "error"),
+])
+def test_cause_of(error: Exception, cause: str) -> None:
+    from rallypoint.manager._record import cause_of
+
+    assert cause_of(error) == cause

@@ -44,7 +44,7 @@ class FailFast:
     goodbye_grace_s = 2.0  # how long collectives in flight get to finish after a peer's clean goodbye
 
     def __init__(self, pg: ReconfigurableProcessGroup, log: logging.LoggerAdapter, replica_id: str,
-                 timeout: timedelta, on_error: Callable[[Exception], None] | None = None) -> None:
+                 timeout: timedelta, on_error: Callable[[Exception, str | None], None] | None = None) -> None:
         self.pg = pg
         self.log = log
         self.replica_id = replica_id
@@ -111,8 +111,9 @@ class FailFast:
             return list(self._works)
 
     # ------------------------------------------------------------------ errors
-    def report_error(self, e: Exception) -> None:
-        """Mark this step failed (it will not commit); the next quorum recovers."""
+    def report_error(self, e: Exception, cause: str | None = None) -> None:
+        """Mark this step failed (it will not commit); the next quorum recovers. ``cause``:
+        why, when the caller knows (``comm``, ``peer_down``; see ``_record.cause_of``)."""
         with self._lock:
             if self._errored is not None:
                 return
@@ -120,7 +121,7 @@ class FailFast:
             step = self._step
         self.log.warning("step %d error: %s", step, e)
         if self._on_error is not None:
-            self._on_error(e)
+            self._on_error(e, cause)
 
     def errored(self) -> Exception | None:
         with self._lock:
@@ -153,17 +154,17 @@ class FailFast:
                           err, self.goodbye_grace_s)
             return
         if setup_busy or works_busy:
-            self.abort(err)
+            self.abort(err, "peer_down")
         else:
             self.log.info("%s after this step's collectives finished; a later collective of quorum %d fails fast",
                           err, quorum_id)
 
-    def abort(self, e: Exception) -> None:
+    def abort(self, e: Exception, cause: str | None = None) -> None:
         """Record ``e`` and abort the process group once per quorum, so that every
         collective blocked on it (ours and, through the closed connections, our peers')
         fails now. The next quorum has a new id (this step reports a commit failure), so
         the group is rebuilt before it is used again."""
-        self.report_error(e)
+        self.report_error(e, cause)
         with self._lock:
             if self._aborted_quorum == self.quorum_id:
                 return
@@ -180,11 +181,11 @@ class FailFast:
         with self._lock:
             busy = self._round == rnd and any(not w.finished() for w in self._works)
         if busy:
-            self.abort(err)
+            self.abort(err, "peer_down")
 
     def comm_failed(self, e: Exception) -> None:
         """A collective failed or timed out (called from a work's ``wait``)."""
-        self.abort(e)
+        self.abort(e, "peer_down" if isinstance(e, ConnectionError) and "went down" in str(e) else "comm")
 
 
 __all__ = ["GOODBYE_PREFIX", "FailFast"]

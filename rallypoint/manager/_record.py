@@ -42,6 +42,25 @@ def _secs(x: float) -> float:
     return round(max(0.0, x), 6) if math.isfinite(x) else 0.0
 
 
+def cause_of(e: BaseException) -> str:
+    """Why a round failed, from its first error (for the goodput ledger's buckets): a peer
+    the lighthouse reported dead, a collective that failed, the quorum, an injected fault,
+    a corruption check, or anything else."""
+    text = str(e)
+    if text.startswith("injected fault") or "injected fault" in text[:200]:
+        return "injected"
+    if text.startswith("silent data corruption"):
+        return "sdc"
+    if isinstance(e, ConnectionError) and "went down" in text:
+        return "peer_down"
+    if "quorum" in text[:200] and isinstance(e, (TimeoutError, ConnectionError, ValueError)):
+        return "quorum"
+    if isinstance(e, (ConnectionError, TimeoutError)) or "allreduce" in text[:200] or "Gloo" in text[:200] \
+            or "NCCL" in text[:200] or "abort" in text[:200].lower():
+        return "comm"
+    return "error"
+
+
 @dataclass
 class StepRecord:
     """What happened in one round (see the module docstring for the time split).
@@ -77,6 +96,7 @@ class StepRecord:
     ended: float | None = None
     outcome: str = "pending"
     error: str | None = None
+    cause: str | None = None  # why it failed, one of rules.STEP_CAUSES (see cause_of)
     extra: dict[str, Any] = field(default_factory=dict)  # what guards add (checks, injections)
 
     # ------------------------------------------------------------------ derived
@@ -142,6 +162,8 @@ class StepRecord:
             "comm_s": self.comm_s,
             "heal_s": _secs(self.heal_s),
             "commit_s": self.commit_s,
+            "configure_s": _secs(self.configure_s),
+            "cause": self.cause if self.kind == "failed" else None,
         }
         return {k: v for k, v in stats.items() if v is not None}  # an abandoned round never voted
 
@@ -158,4 +180,4 @@ class StepRecord:
         return d
 
 
-__all__ = ["KEEP", "StepRecord"]
+__all__ = ["KEEP", "StepRecord", "cause_of"]

@@ -61,7 +61,7 @@ from rallypoint.manager._heal import Healer
 from rallypoint.manager._inject import Injector
 from rallypoint.manager._outage import Outage, quorum_failure
 from rallypoint.manager._peer_relay import PeerDownRelay
-from rallypoint.manager._record import KEEP as _KEEP_RECORDS, StepRecord
+from rallypoint.manager._record import KEEP as _KEEP_RECORDS, StepRecord, cause_of
 from rallypoint.manager._state import UserState
 from rallypoint.manager._work import DoneWork, ManagedWork, allreduce_args
 from rallypoint.manager.recovery import QuorumResult
@@ -232,8 +232,8 @@ class Manager(GroupConnection):
     def errored(self) -> Exception | None:
         return self._ff.errored()
 
-    def _note_error(self, e: Exception) -> None:
-        self._cur.rec.error = f"{type(e).__name__}: {e}"
+    def _note_error(self, e: Exception, cause: str | None) -> None:
+        self._cur.rec.error, self._cur.rec.cause = f"{type(e).__name__}: {e}", cause or cause_of(e)
 
     def _on_peer_down(self, replica_id: str, reason: str) -> None:
         """The lighthouse says ``replica_id`` died (rank 0's liveness stream, or the relay):
@@ -454,7 +454,7 @@ class Manager(GroupConnection):
         if not self.is_participating():
             tensor.zero_()
         if self._injector.on_collective(tensor) == "drop":
-            self._ff.comm_failed(RuntimeError("injected fault: drop-collective"))
+            self._ff.abort(RuntimeError("injected fault: drop-collective"), "injected")
             return DoneWork(tensor)
         rec = self._cur.rec
         if rec.first_collective is None:
@@ -516,8 +516,9 @@ class Manager(GroupConnection):
         else:
             self._commit_failures += 1
             if rnd.rec.error is None:
-                rnd.rec.error = "the group's commit vote failed (another rank of this group voted false)" \
-                    if local else f"too few participants ({self._participating_world_size} < {self._min_replica_size})"
+                rnd.rec.error, rnd.rec.cause = ("the group's commit vote failed (another rank of this group voted "
+                                                "false)", "vote") if local else (
+                    f"too few participants ({self._participating_world_size} < {self._min_replica_size})", "participants")
         self._close_round(rnd.rec, time.monotonic(), "committed" if decision else "failed")
         if not decision and self._max_retries is not None and self._commit_failures > self._max_retries:
             raise RuntimeError(

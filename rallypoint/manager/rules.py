@@ -33,14 +33,16 @@ MAX_STEP_STATS_BYTES = 1024
 #: How a rank's previous round ended.
 STEP_OUTCOMES = ("committed", "failed", "healing", "spare")
 #: The step-stats fields holding durations in seconds.
-STEP_STATS_SECONDS = ("step_s", "compute_s", "quorum_wait_s", "comm_s", "heal_s", "commit_s")
+STEP_STATS_SECONDS = ("step_s", "compute_s", "quorum_wait_s", "comm_s", "heal_s", "commit_s", "configure_s")
+#: Why a failed round failed (``rallypoint.manager._record.cause_of``).
+STEP_CAUSES = ("peer_down", "comm", "quorum", "vote", "participants", "injected", "sdc", "error")
 #: The step-stats fields holding counters.
 STEP_STATS_COUNTERS = ("step", "round")
 #: Bounds of a duration field (seconds); a step of more than ~11 days is not a timing.
 MAX_STEP_STATS_SECONDS = 1e6
 #: Bound of a counter field (protobuf's int64, like the step itself).
 MAX_STEP_STATS_COUNTER = 2**63 - 1
-_KNOWN = frozenset((*STEP_STATS_COUNTERS, "outcome", *STEP_STATS_SECONDS))
+_KNOWN = frozenset((*STEP_STATS_COUNTERS, "outcome", "cause", *STEP_STATS_SECONDS))
 
 
 # ------------------------------------------------------------------ step stats
@@ -70,6 +72,10 @@ def check_step_stats(value: Any) -> dict[str, Any]:
         elif key == "outcome":
             if v not in STEP_OUTCOMES:
                 raise ValueError(f"step stats field 'outcome' must be one of {', '.join(STEP_OUTCOMES)}, got {_show(v)}")
+            out[key] = v
+        elif key == "cause":
+            if v not in STEP_CAUSES:
+                raise ValueError(f"step stats field 'cause' must be one of {', '.join(STEP_CAUSES)}, got {_show(v)}")
             out[key] = v
         else:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
@@ -216,7 +222,7 @@ def vote_decision(votes: Mapping[int, bool], world_size: int) -> bool | None:
 
 
 __all__ = [
-    "MAX_STEP_STATS_BYTES", "MAX_STEP_STATS_COUNTER", "MAX_STEP_STATS_SECONDS", "STEP_OUTCOMES",
+    "MAX_STEP_STATS_BYTES", "MAX_STEP_STATS_COUNTER", "MAX_STEP_STATS_SECONDS", "STEP_CAUSES", "STEP_OUTCOMES",
     "STEP_STATS_COUNTERS", "STEP_STATS_HEADER", "STEP_STATS_SECONDS", "GroupRequest", "RankRequest",
     "aggregate_requests", "check_step_stats", "encode_step_stats", "fold_vote", "group_size_error",
     "lighthouse_budget", "parse_step_stats", "retry_pause", "slowest_step_stats", "vote_decision",
