@@ -17,6 +17,7 @@ wall-clock limit). Options (a JSON object on the command line):
 - ``transport``: ``"pg"`` heals over the cross-replica process group (``PGTransport``).
 - ``delay``: seconds between steps; ``async``: async quorum (default true).
 - ``ranks``: ranks in the replica group (threads of the worker process; default 1).
+- ``sdc``: the gradient-norm check on; ``sdc_every``: the parameter check every N steps.
 - ``training_thread``: ``heal_on_training_thread=True``; the progress file then lists the
   threads the state callbacks ran on (``state_threads``) next to the training thread's.
 """
@@ -131,9 +132,12 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
         connect_timeout=timedelta(seconds=10), use_async_quorum=bool(opts.get("async", True)),
         world_size_mode=WorldSizeMode.FIXED_WITH_SPARES if opts.get("mode") == "fixed" else WorldSizeMode.DYNAMIC,
         checkpoint_transport=transport, heal_on_training_thread=bool(opts.get("training_thread", False)),
+        sdc_check=bool(opts.get("sdc", False)), sdc_check_every=int(opts.get("sdc_every", 0)),
     )
+    m.register_sdc_params(list(model.parameters()))
     gen = torch.Generator().manual_seed(1000 + seed)
     history: list[list[int]] = []
+    failed: list[int] = []  # current_step() of the rounds that did not commit
     t0 = time.monotonic()
     rc = 0
     delay = float(opts.get("delay", 0.05))
@@ -168,12 +172,14 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
                 if at("after_vote"):
                     _die()
                 opt.step()
+            else:
+                failed.append(m.current_step())
             history.append([m.current_step(), participants, int(spare)])
             h = hashlib.sha256(repr([p.detach().flatten().tolist() for p in model.parameters()]).encode()).hexdigest()
             tmp = out + ".tmp"
             Path(tmp).write_text(json.dumps({
                 "step": m.current_step(), "batches": m.batches_committed(), "hash": h,
-                "history": history, "replica_id": m.replica_id,
+                "history": history, "replica_id": m.replica_id, "failed": failed,
                 "state_threads": sorted(state_threads), "train_thread": threading.current_thread().name,
             }))
             os.replace(tmp, out)

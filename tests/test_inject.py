@@ -260,3 +260,38 @@ def test_lighthouse_restart_injection_restarts_in_place_with_its_state(tmp_path:
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def _log_of(r: Any, name: str) -> str:
+    return "".join(f.read_text() for f in sorted(r.tmp.glob(f"{name}.*.log")))
+
+
+def test_corrupt_gradients_fail_the_step_everywhere_and_a_flipped_parameter_heals(lighthouse, replicas_factory) -> None:
+    """With the corruption checks on: a NaN and a bit-flipped gradient on one group are
+    caught at that step, nothing is committed anywhere, and the group is named; a silently
+    flipped parameter is caught at the next parameter check, its group heals from the
+    majority, and all three end bit-identical."""
+    lh = lighthouse(min_replicas=2, join_timeout_ms=2000)
+    r = replicas_factory(lh)
+    for i in range(3):
+        r.start(f"replica_{i}", seed=1, delay=0.02, sdc=True, sdc_every=4)
+    r.wait_for("three replicas at step 3 together",
+               lambda: min(r.step(f"replica_{i}") for i in range(3)) >= 3
+               and r.progress("replica_0")["history"][-1][1] == 3, 60)
+    for kind, mark in (("nan-grad", "nan"), ("bitflip-grad", "(?:inf|outlier)")):
+        _inject(lh, kind=kind, replica="replica_1")
+        pattern = rf"silent data corruption at step (\d+) \(gradient-norm check\): replica_1\S* \({mark}"
+        r.wait_for(f"{kind} caught", lambda: re.search(pattern, _log_of(r, "replica_0")), 30)
+        step = int(re.search(pattern, _log_of(r, "replica_0")).group(1))
+        # Every group failed that step: nobody committed the corrupt gradient.
+        r.wait_for("every replica past it", lambda: min(r.step(f"replica_{i}") for i in range(3)) > step, 30)
+        for i in range(3):
+            assert step in r.progress(f"replica_{i}")["failed"], (kind, i, r.progress(f"replica_{i}"))
+    _inject(lh, kind="bitflip-param", replica="replica_2", bit=3)  # a low mantissa bit: silent
+    pattern = r"silent data corruption at step \d+ \(parameter check\): replica_2"
+    r.wait_for("the flipped parameter caught", lambda: re.search(pattern, _log_of(r, "replica_0")), 60)
+    r.wait_for("replica_2 healed", lambda: "applied healed state" in
+               _log_of(r, "replica_2").split("parameter check")[-1], 30)
+    target = max(r.step(f"replica_{i}") for i in range(3)) + 2
+    r.finish(target, timeout=60)
+    r.assert_identical([f"replica_{i}" for i in range(3)], target)

@@ -172,6 +172,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._rallypoint_manager = manager
         self._averager = _BucketAverager(manager)
         self.register_comm_hook(self._averager, _manager_comm_hook)
+        register = getattr(manager, "register_sdc_params", None)  # rallypoint's Manager: the parameter check
+        if register is not None:
+            register(list(module.parameters()))
 
     @property
     def manager(self) -> GradientManager:

@@ -84,6 +84,21 @@ class Healer:
         self._log.info("serving step %d to replica ranks %s", q.max_step, dst)
         self._transport.send_checkpoint(dst_ranks=dst, step=q.max_step, state_dict=state, timeout=self._timeout)
 
+    def after_vote(self, served_here: bool) -> None:
+        """The optimizer may step once the vote is in: what we serve must not change under a
+        reader. A state served on the training thread in this round stays up (the healing
+        peer may not even have asked yet): a live transport freezes it, a copy needs
+        nothing. Otherwise the transport stops serving (a live one keeps a frozen copy of
+        what a receiver still reads)."""
+        freeze = getattr(self._transport, "freeze_checkpoint", None)
+        try:
+            if not served_here:
+                self._transport.disallow_checkpoint()
+            elif freeze is not None:
+                freeze()
+        except Exception as e:  # noqa: BLE001
+            self._log.warning("disallow_checkpoint failed: %s", e)
+
     def _metadata(self, address: str, timeout: timedelta) -> str:
         """Where the replica whose manager is at ``address`` serves our group rank's state."""
         with ManagerClient(address, connect_timeout=self._connect_timeout, fail_fast=True) as peer:

@@ -76,7 +76,7 @@ class Injector:
 
     def __init__(self, replica: str, state: Callable[[], Any], closing: threading.Event,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._replica = replica
+        self.replica = replica  # the Manager sets the full replica id once it is known
         self._state = state
         self._closing = closing
         self._pending: list[Injection] = []
@@ -94,7 +94,7 @@ class Injector:
                 if inj.kind in MANAGER_KINDS and (not inj.id or inj.id not in self._seen):
                     self._seen.add(inj.id)
                     self._pending.append(inj)
-                    log.warning("[%s] injection %s received: %s", self._replica, inj.id, inj.to_json())
+                    log.warning("[%s] injection %s received: %s", self.replica, inj.id, inj.to_json())
 
     def at_step_start(self, step: int, base_compute_s: float | None) -> dict[str, Any]:
         """Carry out what is due at this step boundary; returns what was done (for the
@@ -105,7 +105,7 @@ class Injector:
             self._pending = [i for i in self._pending if i not in due]
             self._armed = None
         for inj in due:
-            log.warning("[%s] carrying out injection %s (%s) at step %d", self._replica, inj.id, inj.kind, step)
+            log.warning("[%s] carrying out injection %s (%s) at step %d", self.replica, inj.id, inj.kind, step)
             done.setdefault("injected", []).append(inj.kind)
             if inj.kind == "kill":
                 for h in logging.getLogger().handlers:
@@ -119,7 +119,7 @@ class Injector:
             elif inj.kind == "bitflip-param":
                 t = first_float_tensor(self._state())
                 if t is None:
-                    log.warning("[%s] bitflip-param: the registered state has no floating-point tensor", self._replica)
+                    log.warning("[%s] bitflip-param: the registered state has no floating-point tensor", self.replica)
                 else:
                     with torch.no_grad():
                         flip_bit(t, inj.bit)
@@ -129,7 +129,7 @@ class Injector:
             factor, until, base = self._slow
             if until is not None and self._clock() >= until:
                 self._slow = None
-                log.warning("[%s] injected slowness over", self._replica)
+                log.warning("[%s] injected slowness over", self.replica)
             else:
                 extra = (factor - 1.0) * base
                 done["injected_sleep_s"] = extra

@@ -17,18 +17,22 @@ notice that a member of the quorum died (relayed to every rank of the group).
 Healing never writes user state while forward/backward may read it. A replica that is
 behind receives the state of an up-to-date peer through the checkpoint transport on the
 quorum thread and applies it in :meth:`should_commit` (or :meth:`wait_quorum`, or
-:meth:`start_quorum` when the quorum is synchronous). A sender serves its state as soon
-as its quorum arrives (its ``state_dict()`` callbacks run on the quorum thread, as in
-torchft) so the healing peer finds it at once. It is served live, without a copy
-(forward and backward do not change parameters or optimizer state), and frozen in
-:meth:`should_commit`, before the optimizer may change it: whatever the peer has not
-received yet is copied then, and served from the copy (``rallypoint.transports._live``).
+:meth:`start_quorum` when the quorum is synchronous). A sender serves its state as soon as
+its quorum arrives (``state_dict()`` callbacks run on the quorum thread, as in torchft),
+live, without a copy (forward and backward change neither parameters nor optimizer state),
+and frozen in :meth:`should_commit` before the optimizer may change it: what the peer has
+not received yet is copied then and served from the copy (``rallypoint.transports._live``).
 
 ``heal_on_training_thread=True`` (for FSDP2, whose state must not be read while forward
 reshards it: torchtitan#4754) moves both sides into :meth:`should_commit` (before the vote;
 :meth:`start_quorum` when the quorum is synchronous) on the training thread: the sender
 serves its state (frozen right after the vote); the receiver fetches into its
 current state (DTensors rebuilt on its own mesh) and applies it.
+
+Each round leaves a :class:`StepRecord` (:meth:`step_records`: quorum, time split, outcome),
+whose step stats go to the lighthouse with the next quorum request. Guards: corruption
+checks before the vote (``sdc_check``, ``sdc_check_every``: ``_guard.py``); injected faults
+(``rallypoint inject``: ``_inject.py``) happen at :meth:`start_quorum`, a step boundary.
 
 A quorum that does not form within ``quorum_timeout`` is not a communication hiccup:
 :meth:`should_commit` and :meth:`wait_quorum` raise a ``TimeoutError`` that names the
@@ -57,6 +61,7 @@ from rallypoint.manager._config import ReplicaLog as _ReplicaLog, WorldSizeMode,
 from rallypoint.manager._connect import GroupConnection
 from rallypoint.manager._failfast import FailFast
 from rallypoint._net.inject import parse_injections
+from rallypoint.manager._guard import SdcGuard
 from rallypoint.manager._heal import Healer
 from rallypoint.manager._inject import Injector
 from rallypoint.manager._outage import Outage, quorum_failure
@@ -122,6 +127,8 @@ class Manager(GroupConnection):
         max_retries: int | None = None,
         quorum_retries: int = 0,
         heal_on_training_thread: bool = False,
+        sdc_check: bool | None = None,
+        sdc_check_every: int | None = None,
     ) -> None:
         self._pg = pg
         #: Serve and apply heals on the training thread (see the module docstring); the
@@ -172,6 +179,7 @@ class Manager(GroupConnection):
         self._records: deque[StepRecord] = deque(maxlen=_KEEP_RECORDS)
         self._round_end: float | None = None  # monotonic: when the last round ended
         self._ff = FailFast(pg, self._log, str(replica_id), self._timeout, on_error=self._note_error)
+        self._guard = SdcGuard.from_settings(sdc_check, sdc_check_every, self._log)  # or RALLYPOINT_SDC_CHECK*
         self._injector = Injector(str(replica_id), lambda: self._user_state.snapshot(dict)["user"], self._closing)
 
         self._own_transport = checkpoint_transport is None
@@ -191,11 +199,16 @@ class Manager(GroupConnection):
         except BaseException:
             self.shutdown(wait=False)
             raise
-        self._ff.replica_id = self._replica_id
+        self._ff.replica_id = self._injector.replica = self._replica_id
 
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
         self._user_state.register(key, load_state_dict, state_dict)
+
+    def register_sdc_params(self, params: Any) -> None:
+        """The parameters the corruption check compares across replicas every
+        ``sdc_check_every`` steps (rallypoint's DistributedDataParallel registers its own)."""
+        self._guard.register_params(params)
 
     def _manager_state_dict(self) -> dict[str, Any]:
         return self._user_state.snapshot(self.state_dict)
@@ -259,6 +272,7 @@ class Manager(GroupConnection):
         rnd = self._cur = _Round(StepRecord(round=prev.round + 1, step=self._step,
                                             since=self._round_end if self._round_end is not None else now, started=now))
         self._ff.new_round(rnd.rec.round, self._step)
+        self._guard.new_round()
         # A step boundary: injected faults (`rallypoint inject`) happen here.
         base = None if prev.compute_s is None else prev.compute_s - prev.extra.get("injected_sleep_s", 0.0)
         rnd.rec.extra.update(self._injector.at_step_start(self.current_step(), base))
@@ -451,16 +465,19 @@ class Manager(GroupConnection):
             return DoneWork(tensor)
         zeros = not self.is_participating() or self._participating_world_size < self._quorum_size()
         allreduce_args(should_quantize, reduce_op, zeros, who)
-        if not self.is_participating():
+        contributes = self.is_participating()
+        if not contributes:
             tensor.zero_()
         if self._injector.on_collective(tensor) == "drop":
             self._ff.abort(RuntimeError("injected fault: drop-collective"), "injected")
             return DoneWork(tensor)
+        self._guard.observe(tensor, contributes)  # before the collective changes it in place
         rec = self._cur.rec
         if rec.first_collective is None:
             rec.first_collective = time.monotonic()
         rec.collectives += 1
-        divisor = max(1, self._participating_world_size) if reduce_op == ReduceOp.AVG else None
+        sit_out = self._guard.sit_out_count(self._last_quorum.replica_ids if self._last_quorum else ())
+        divisor = max(1, self._participating_world_size - sit_out) if reduce_op == ReduceOp.AVG else None
         managed = self._ff.add_work(lambda: ManagedWork.post(self._ff, self._pg, tensor, should_quantize, reduce_op,
                                                              divisor))
         return DoneWork(tensor) if managed is None else managed
@@ -482,6 +499,9 @@ class Manager(GroupConnection):
         pg_err = self._pg.errored()
         if pg_err is not None:
             self.report_error(pg_err)
+        elif self._guard.enabled and self._last_quorum is not None and rnd.rec.quorum_id is not None:
+            rnd.rec.extra.update(self._guard.check_round(self._pg, self._last_quorum, not rnd.rec.healing,
+                                                         self._timeout, self._replica_id, self._ff))
         enough = self._participating_world_size >= self._min_replica_size
         local = enough and self.errored() is None
         try:
@@ -491,19 +511,7 @@ class Manager(GroupConnection):
             decision = False
         self._log.info("should_commit step %d: %s (local %s, participants %d/%d, error %s)", self._step, decision,
                        local, self._participating_world_size, self._min_replica_size, self.errored())
-        # The optimizer may step once we return: what we serve must not change under a
-        # reader. A state served on the training thread in this step stays up (the
-        # healing peer may not even have asked yet): a live transport freezes it, a
-        # copy needs nothing. Otherwise the transport stops serving (a live one keeps
-        # a frozen copy of what a receiver still reads).
-        freeze = getattr(self._transport, "freeze_checkpoint", None)
-        try:
-            if not rnd.served_here:
-                self._transport.disallow_checkpoint()
-            elif freeze is not None:
-                freeze()
-        except Exception as e:  # noqa: BLE001
-            self._log.warning("disallow_checkpoint failed: %s", e)
+        self._healer.after_vote(rnd.served_here)  # the optimizer may step now: guard what we serve
         if rnd.quorum_error is not None:
             self._commit_failures += 1
             self._close_round(rnd.rec, time.monotonic(), "failed")
@@ -565,7 +573,8 @@ class Manager(GroupConnection):
         return self._participating_rank
 
     def is_participating(self) -> bool:
-        return self._participating_rank is not None and not self._cur.apply_due
+        return self._participating_rank is not None and not self._cur.apply_due \
+            and not self._guard.sitting_out(self._replica_id)
 
     @property
     def replica_id(self) -> str:

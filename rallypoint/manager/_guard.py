@@ -1,0 +1,205 @@
+"""The silent-corruption guard a ``Manager`` holds: the gradient-norm check (every round)
+and the parameter-hash check (every ``sdc_check_every`` committed steps), carried out in
+``should_commit`` before the group's vote.
+
+How a round is checked: :meth:`SdcGuard.observe` takes the L2 norm of every tensor the
+round sends to ``allreduce`` (the replica's own gradients, before they are averaged); in
+``should_commit`` every member of the quorum exchanges one row ``[norm valid, norm, hash
+valid, hash hi, hash lo]`` with ONE small SUM allreduce on the cross-replica process group
+(``_sdc.exchange``), and all of them apply the same pure rules (``guards.py``) to the same
+rows, so they reach the same verdict without another round trip:
+
+- a NaN/Inf or outlier gradient norm fails the step everywhere (every group's rank votes
+  false, nothing is committed) and names the group; a group flagged again within the
+  strike window is made to heal: it votes false in the next round while the others commit,
+  so it falls one step behind and the next quorum heals it from a healthy peer;
+- parameter hashes that differ: a minority votes false (the majority commits), falls behind
+  and heals from the majority; without a majority (two groups) the step fails everywhere,
+  every group is named, and that step is not checked again (nothing says who is right).
+
+Every member takes part in the exchange, healing and spare ones too (their rows are marked
+invalid), so the collective always matches. Every replica group of the job must use the
+same settings: a group that skips the exchange leaves its peers waiting for the collective
+until the timeout. Off by default (the exchange is one more collective per step, and a
+torchft replica in the quorum would not take part).
+
+Parameters are what :meth:`SdcGuard.register_params` was given (rallypoint's
+``DistributedDataParallel`` registers its module's): not the whole state, because buffers
+such as BatchNorm statistics legitimately differ between replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from rallypoint.manager import guards
+from rallypoint.manager._sdc import exchange, grad_norm_tensor, halves_to_u64, param_hash, u64_to_halves
+from rallypoint.manager.recovery import QuorumResult
+
+#: Environment switches (the Manager's arguments win): the gradient check on/off, and the
+#: parameter check's interval in committed steps (0: off).
+GRAD_CHECK_ENV = "RALLYPOINT_SDC_CHECK"
+CHECK_EVERY_ENV = "RALLYPOINT_SDC_CHECK_EVERY"
+SDC_PREFIX = "silent data corruption"
+
+
+class SdcGuard:
+    """One rank's corruption checks (see the module docstring)."""
+
+    def __init__(self, grad_check: bool, check_every: int, log: logging.LoggerAdapter,
+                 options: guards.GradNormOptions | None = None, strike_limit: int = 2, strike_window: int = 100) -> None:
+        if check_every < 0:
+            raise ValueError(f"sdc_check_every must be >= 0 (0: off), got {check_every}")
+        self.grad_check = bool(grad_check)
+        self.check_every = int(check_every)
+        self._log = log
+        self._options = options or guards.GradNormOptions()
+        self._limit, self._window = strike_limit, strike_window
+        self._norms: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._history: tuple[float, ...] = ()
+        self._strikes: dict[str, tuple[int, ...]] = {}
+        self._params: list[torch.Tensor] = []
+        self._last_hash_step = -1
+        self._sit_out: frozenset[str] = frozenset()  # repeat offenders: sit out the next round and heal
+        self._warned_no_params = False
+
+    @classmethod
+    def from_settings(cls, grad_check: bool | None, check_every: int | None, log: logging.LoggerAdapter) -> "SdcGuard":
+        """The Manager's arguments, else ``RALLYPOINT_SDC_CHECK`` (1/true/yes) and
+        ``RALLYPOINT_SDC_CHECK_EVERY`` (committed steps; 0: off)."""
+        if grad_check is None:
+            grad_check = os.environ.get(GRAD_CHECK_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+        if check_every is None:
+            raw = os.environ.get(CHECK_EVERY_ENV, "0").strip() or "0"
+            try:
+                check_every = int(raw)
+            except ValueError:
+                raise ValueError(f"{CHECK_EVERY_ENV} must be a whole number of steps (0: off), got {raw!r}") from None
+        return cls(grad_check, check_every, log)
+
+    def check_round(self, pg: Any, q: QuorumResult, state_ok: bool, timeout: timedelta,
+                    replica_id: str, failfast: Any) -> dict[str, Any]:
+        """:meth:`check`, with its outcome recorded through ``failfast``: a verdict against
+        this replica fails its step (cause ``sdc``); a failed exchange aborts the process
+        group (the step cannot commit, and peers blocked in it fail now)."""
+        try:
+            why, done = self.check(pg, q, state_ok, timeout, replica_id)
+        except Exception as e:  # noqa: BLE001
+            failfast.abort(e, "comm")
+            return {"sdc_checked": ["failed"]}
+        if why is not None:
+            failfast.report_error(RuntimeError(why), "sdc")
+        return done
+
+    def sitting_out(self, replica_id: str) -> bool:
+        """This replica sits this round out (a repeat offender: zeros in, no commit)."""
+        return replica_id in self._sit_out
+
+    def sit_out_count(self, replica_ids: Iterable[str]) -> int:
+        """How many of the quorum's replicas sit this round out (every member knows the same
+        set: they all applied the same rules to the same rows), for the mean's divisor."""
+        return sum(1 for r in replica_ids if r in self._sit_out)
+
+    @property
+    def enabled(self) -> bool:
+        return self.grad_check or self.check_every > 0
+
+    def register_params(self, params: Iterable[torch.Tensor]) -> None:
+        """The tensors whose bytes must be identical on every replica after a commit."""
+        self._params = [p for p in params]
+
+    def new_round(self) -> None:
+        with self._lock:
+            self._norms = []
+
+    def observe(self, tensor: torch.Tensor, contributes: bool) -> None:
+        """Note the norm of a tensor about to be allreduced (called before it is posted:
+        the collective changes it in place). ``contributes``: it holds this replica's own
+        gradient (a healing, spare or sitting-out replica sends zeros: no norm, or its zero
+        would look like an outlier)."""
+        if self.grad_check and contributes and tensor.is_floating_point():
+            norm = grad_norm_tensor([tensor.detach()])
+            with self._lock:
+                self._norms.append(norm)
+
+    def check(self, pg: Any, q: QuorumResult, state_ok: bool, timeout: timedelta,
+              replica_id: str) -> tuple[str | None, dict[str, Any]]:
+        """Exchange this round's rows and decide. Returns ``(why this replica must vote
+        false, or None; what was checked, for the round's record)``. ``state_ok``: its
+        parameters are the step's (it did not heal in this round)."""
+        step = q.max_step
+        do_hash = self.check_every > 0 and guards.should_check_params(step, self.check_every) \
+            and step != self._last_hash_step
+        with self._lock:
+            norms, self._norms = self._norms, []
+        norm = float(torch.linalg.vector_norm(torch.stack(norms)).item()) if norms else 0.0
+        valid_norm = 1.0 if norms else 0.0
+        h_hi = h_lo = valid_hash = 0.0
+        if do_hash and state_ok:
+            if self._params:
+                h_hi, h_lo = u64_to_halves(param_hash(self._params))
+                valid_hash = 1.0
+            elif not self._warned_no_params:
+                self._warned_no_params = True
+                self._log.warning("sdc_check_every is set but no parameters were registered (register_sdc_params, "
+                                  "or rallypoint's DistributedDataParallel): the parameter check is skipped")
+        rows = exchange(pg, q.replica_rank, q.replica_world_size, [valid_norm, norm, valid_hash, h_hi, h_lo],
+                        timeout)
+        done: dict[str, Any] = {"sdc_checked": ["grad"] + (["param"] if do_hash else [])}
+        why: str | None = None
+        ids = list(q.replica_ids)
+
+        def name(r: int) -> str:
+            return ids[r] if r < len(ids) else f"replica rank {r}"
+
+        sat_out, self._sit_out = self._sit_out, frozenset()
+        if replica_id in sat_out:
+            why = f"{SDC_PREFIX}: replica {replica_id} was flagged repeatedly and heals from a healthy peer"
+        seen = {r: row[1] for r, row in enumerate(rows) if row[0] == 1.0}
+        if self.grad_check and seen:
+            verdict = guards.grad_norm_verdict(seen, self._history, self._options)
+            if verdict.fail_step:
+                bad = ", ".join(f"{name(r)} ({verdict.reasons.get(r, '?')})" for r in sorted(verdict.bad))
+                why = why or f"{SDC_PREFIX} at step {step} (gradient-norm check): {bad}; the step fails everywhere"
+                self._log.warning("%s", why)
+                done["sdc_bad"] = sorted(name(r) for r in verdict.bad)
+                # Strikes count quorums (every retry of a failed step is a new one), so a group
+                # that fails the same step again and again is still caught.
+                strikes = guards.repeat_offenders(self._strikes, [name(r) for r in verdict.strikes], q.quorum_id,
+                                                  self._limit, self._window)
+                self._strikes = dict(strikes.strikes)
+                if strikes.evict:
+                    self._sit_out = frozenset(strikes.evict)
+                    self._log.warning("%s flagged %d times within %d quorums: sitting out the next round (contributing "
+                                      "zeros, not committing), then healing from a healthy peer",
+                                      ", ".join(sorted(strikes.evict)), self._limit, self._window)
+            else:
+                self._history = guards.next_history(self._history, seen, verdict)
+        if do_hash:
+            self._last_hash_step = step
+            hashes = {r: halves_to_u64(row[3], row[4]) for r, row in enumerate(rows) if row[2] == 1.0}
+            hv = guards.param_hash_verdict(hashes)
+            if hv.flagged:
+                names = ", ".join(f"{name(r)} ({hv.reasons[r]})" for r in sorted(hv.flagged))
+                done["sdc_bad"] = sorted(name(r) for r in hv.flagged)
+                msg = f"{SDC_PREFIX} at step {step} (parameter check): {names}"
+                self._log.warning("%s", msg)
+                if hv.fail_step:
+                    why = why or msg + "; no majority: the step fails everywhere"
+                elif q.replica_rank in hv.minority:
+                    why = why or msg + f"; replica {replica_id} heals from the majority"
+        if why is not None and not math.isfinite(norm):
+            done["sdc_norm"] = str(norm)
+        return why, done
+
+
+__all__ = ["CHECK_EVERY_ENV", "GRAD_CHECK_ENV", "SDC_PREFIX", "SdcGuard"]
