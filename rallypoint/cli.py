@@ -3,7 +3,8 @@
 Subcommands: ``lighthouse`` (run the quorum service; drop-in for ``torchft_lighthouse``,
 whose underscore flag spellings are accepted), ``run`` (launch one replica group where
 torchrun was, and restart it when a rank fails; ``rallypoint.supervisor``), ``status``
-(print the quorum as a table), ``kill`` (ask a replica's manager to exit). Nothing here
+(print the quorum as a table), ``kill`` (ask a replica's manager to exit), ``goodput`` (the
+goodput ledger as a table). Nothing here
 imports torch.
 """
 
@@ -79,6 +80,16 @@ def _build_parser() -> argparse.ArgumentParser:
     st.add_argument("--lighthouse", default=None, help=f"gRPC or HTTP address (default: $RALLYPOINT_LIGHTHOUSE, $TORCHFT_LIGHTHOUSE or {DEFAULT_LIGHTHOUSE})")
     st.add_argument("--json", action="store_true", help="print the raw status document")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the lighthouse (5)")
+
+    gp = sub.add_parser("goodput", help="print the goodput ledger: where each replica group's time went")
+    gp.add_argument("--lighthouse", default=None, help="gRPC or HTTP address (default: as for status)")
+    gp.add_argument("--json", action="store_true", help="print the ledger document (GET /goodput has its time series too)")
+    gp.add_argument("--tau", type=float, default=None,
+                    help="checkpoint interval for the goodput model, seconds (default: one committed step)")
+    gp.add_argument("--delta", type=float, default=None,
+                    help="time to save one checkpoint for the goodput model, seconds (default: 0)")
+    gp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the lighthouse (5)")
+    gp.set_defaults(usage_parser=gp)
 
     from rallypoint.supervisor.args import add_run_parser
 
@@ -304,6 +315,82 @@ def _run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_goodput(args: argparse.Namespace) -> int:
+    if (args.tau is not None and not args.tau > 0) or (args.delta is not None and not args.delta >= 0):
+        args.usage_parser.error(f"--tau must be > 0 and --delta >= 0 seconds, got {args.tau} and {args.delta}")
+    address = args.lighthouse or _lighthouse_env()
+    try:
+        doc = _fetch_status(address, args.timeout).get("goodput")
+    except Exception as e:
+        print(f"rallypoint goodput: {e}", file=sys.stderr)
+        return 1
+    if not isinstance(doc, dict):
+        print(f"rallypoint goodput: the lighthouse at {address} keeps no goodput ledger (torchft's, or an older "
+              "rallypoint)", file=sys.stderr)
+        return 1
+    if args.tau is not None or args.delta is not None:
+        doc["model"] = remodel(doc, args.tau, args.delta)
+    print(json.dumps(doc, indent=2) if args.json else format_goodput(doc))
+    return 0
+
+
+def remodel(doc: dict, tau: float | None, delta: float | None) -> dict:
+    """The ledger document's goodput model evaluated again for another ``tau``/``delta``."""
+    from rallypoint.lighthouse.ledger import model_report
+
+    total = doc.get("total") or {}
+    params = (doc.get("model") or {}).get("parameters") or {}
+    tau_s = tau if tau is not None else params.get("tau_s")
+    out = model_report(total.get("buckets") or {}, int(total.get("failures") or 0), 0, 0.0, tau_s,
+                       delta if delta is not None else params.get("delta_s"))
+    if tau is None:
+        out["parameters"]["tau_source"] = params.get("tau_source")
+    return out
+
+
+def _secs(x: Any) -> str:
+    return "-" if not isinstance(x, (int, float)) else f"{x:.1f}s"
+
+
+def _ratio(x: Any) -> str:
+    return "-" if not isinstance(x, (int, float)) else f"{x:.3f}"
+
+
+def format_goodput(doc: dict) -> str:
+    """The goodput ledger as a human table: the job's goodput, the model, one row per group."""
+    from rallypoint.lighthouse.ledger import BUCKETS, UNREPORTED
+
+    total = doc.get("total") or {}
+    tb = total.get("buckets") or {}
+    settled = sum(float(tb.get(b, 0.0)) for b in BUCKETS)
+    lines = [f"goodput {_ratio(doc.get('goodput'))}: productive {_secs(tb.get('productive'))} of {_secs(settled)} "
+             f"settled group-time, {total.get('groups', 0)} group(s), {_secs(tb.get(UNREPORTED))} not reported yet"]
+    model = doc.get("model") or {}
+    p = model.get("parameters") or {}
+    lines.append(f"model {_ratio(model.get('goodput'))}: MTBF {_secs(p.get('mtbf_s')) if p.get('mtbf_s') else 'none'} "
+                 f"({p.get('failures', 0)} failure(s)), T_detect {_secs(p.get('t_detect_s'))}, "
+                 f"T_restart {_secs(p.get('t_restart_s'))}, T_load {_secs(p.get('t_load_s'))}, "
+                 f"tau {_secs(p.get('tau_s'))} ({p.get('tau_source')}), delta {_secs(p.get('delta_s'))}")
+    if model.get("what_if"):
+        lines.append("  what if: " + ", ".join(f"{k.replace('_', ' ')} {_ratio(v)}" for k, v in model["what_if"].items()))
+    cols = (*BUCKETS, UNREPORTED)
+    rows = [("GROUP", "STATE", "WALL", "GOODPUT", *(c.upper() for c in cols))]
+    for g in doc.get("groups") or ():
+        b = g.get("buckets") or {}
+        rows.append((str(g.get("group")), str(g.get("state")), _secs(g.get("wall_s")), _ratio(g.get("goodput")),
+                     *(_secs(b.get(c)) for c in cols)))
+    rows.append(("TOTAL", "", _secs(total.get("wall_s")), _ratio(doc.get("goodput")), *(_secs(tb.get(c)) for c in cols)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    hidden = int(total.get("groups") or 0) - int(total.get("listed", total.get("groups")) or 0)
+    if hidden > 0:
+        lines.append(f"({hidden} more group(s) not listed: GET /goodput on the lighthouse's HTTP address lists all)")
+    causes = total.get("failed_by_cause") or {}
+    if causes:
+        lines.append("failed rounds by cause: " + ", ".join(f"{k} {_secs(v)}" for k, v in causes.items()))
+    return "\n".join(lines)
+
+
 def _run_kill(args: argparse.Namespace) -> int:
     from rallypoint.lighthouse.client import LighthouseClient
 
@@ -356,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     handlers = {"lighthouse": _run_lighthouse, "run": _run_group, "status": _run_status, "kill": _run_kill,
-                "inject": _run_inject}
+                "inject": _run_inject, "goodput": _run_goodput}
     return handlers[args.command](args)
 
 

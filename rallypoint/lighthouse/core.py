@@ -9,7 +9,9 @@ It also feeds the straggler scorer (:mod:`rallypoint.lighthouse.stragglers`) wit
 step timings each Quorum request carries, and hands its exclusions (``--stragglers
 evict``) to ``decide``. That state is held in memory only: a restarted lighthouse scores
 from empty windows, at the cost of a few steps of evidence, and nothing a straggler did
-outlives the process that judged it.
+outlives the process that judged it. The same step timings, with joins, deaths, evictions and
+quorums, feed the goodput ledger (:mod:`rallypoint.lighthouse.ledger`), which is saved in the
+state file and survives a restart.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint.lighthouse import quorum as q
 from rallypoint.lighthouse import stragglers as sg
+from rallypoint.lighthouse._ledger_store import GoodputBook
 from rallypoint.lighthouse.injections import InjectionDesk
 from rallypoint.lighthouse.metrics import LighthouseMetrics
 from rallypoint.lighthouse.state import MEMORY, StateStore
@@ -129,6 +132,8 @@ class LighthouseCore:
         # Straggler scores and exclusions: memory only (see the module docstring).
         self.stragglers = sg.StragglerTracker(stragglers)
         self.injections = InjectionDesk()  # `rallypoint inject`: handed out with the next quorum answer
+        # The goodput ledger (ledger.py): fed below, saved in the state file now and then.
+        self.goodput = GoodputBook(None if store.path == MEMORY else store.path, wall=wall, clock=clock)
         self._stats_log = Throttle(_BAD_STATS_LOG_INTERVAL, clock)
         self.started = wall()
         if restored.quorum_id:
@@ -162,6 +167,7 @@ class LighthouseCore:
                     fut.set_exception(ReplicaDead("the lighthouse is shutting down; retry against its replacement"))
         self._waiters.clear()
         self.pending.clear()
+        await self.goodput.close()
 
     # ---------------------------------------------------------------- inputs
     def _alive(self, rid: str, now: float) -> None:
@@ -174,6 +180,7 @@ class LighthouseCore:
         if rid not in self._healthy_seen:
             self._healthy_seen.add(rid)
             self.store.record_event("join", rid)
+            self.goodput.join(rid)
             log.info("[%s] replica is alive", rid)
             self._schedule()
 
@@ -263,6 +270,7 @@ class LighthouseCore:
                 fut.set_exception(ReplicaDead(f"replica {rid} was declared dead: {reason}"))
         self.metrics.replica_down(kind)
         self.store.record_event("leave" if kind == "goodbye" else "crash", rid, reason=reason)
+        self.goodput.down(rid, clean=kind == "goodbye")
         if kind == "goodbye":
             log.info("[%s] replica left cleanly: %s", rid, reason)
         else:
@@ -282,6 +290,7 @@ class LighthouseCore:
             stats = sg.parse_step_stats(member.data)
             if stats is None:
                 return
+            self.goodput.round(rid, stats)
             events = self.stragglers.observe(
                 rid, stats, now, lambda: self._healthy_now(now), self.options.min_replicas
             )
@@ -306,6 +315,8 @@ class LighthouseCore:
             if ev.until is not None:
                 detail["until"] = round(self._to_wall(ev.until, now), 3)
             self.store.record_event(ev.kind, ev.group, **detail)
+            if ev.kind in (sg.EVICTED, sg.READMITTED):
+                (self.goodput.evicted if ev.kind == sg.EVICTED else self.goodput.readmitted)(ev.group)
             if ev.kind == sg.EVICTED:
                 self.metrics.straggler_evicted()
                 log.warning(
@@ -376,6 +387,7 @@ class LighthouseCore:
         self.metrics.set_quorum(quorum.quorum_id, len(quorum.members))
         if changed:
             log.info("quorum %d formed with %s (%s)", quorum.quorum_id, list(quorum.replica_ids), decision.reason)
+            self.goodput.quorum(quorum.replica_ids)
             # Recorded before the flush below, so the event is on disk with the quorum.
             self.store.record_event(
                 "quorum",
@@ -450,6 +462,7 @@ class LighthouseCore:
             self._healthy_seen.discard(rid)
             self.metrics.replica_down("heartbeat_expired")
             self.store.record_event("leave", rid, reason="heartbeat expired")
+            self.goodput.down(rid, clean=False)
             log.warning("[%s] heartbeat expired (%.1fs timeout)", rid, self.options.heartbeat_timeout)
         for rid in q.forgettable(now, self.heartbeats, self.pending, self._forget_after):
             del self.heartbeats[rid]
@@ -468,6 +481,7 @@ class LighthouseCore:
             self.stragglers.forget(rid)
         for rid in [r for r in self.injections.pending() if r not in known]:
             self.injections.forget(rid)
+        self.goodput.tick(set(self.heartbeats) | set(self.pending) | set(self._attached), self.options.heartbeat_timeout)
         self._update_gauges()
 
     def refresh_gauges(self) -> None:
@@ -476,6 +490,7 @@ class LighthouseCore:
         self._update_gauges()
         tracker = self.stragglers
         self.metrics.set_stragglers(tracker.scores(), len(tracker.flagged()), len(tracker.excluded(self._clock())))
+        self.metrics.set_goodput(self.goodput.summary())
 
     def _update_gauges(self) -> None:
         self.metrics.set_replicas(
@@ -542,6 +557,7 @@ class LighthouseCore:
                 "excluded": sorted(self.stragglers.excluded(now)),
                 "evictions_total": self.stragglers.evictions,
             },
+            "goodput": self.goodput.summary(),  # without its time series (GET /goodput has that)
         }
 
     def _straggler_status(self, rid: str, now: float) -> dict:

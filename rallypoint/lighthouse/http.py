@@ -37,6 +37,7 @@ from rallypoint._net import addr as addrs
 from rallypoint._net.auth import bearer_matches, bearer_token
 from rallypoint._net.inject import Injection
 from rallypoint._net.tls import TlsConfig, uvicorn_ssl_kwargs
+from rallypoint.lighthouse._goodput_http import add_goodput_route
 from rallypoint.lighthouse.injections import MAX_REQUEST_BYTES, UnknownReplica, check_request
 from rallypoint.lighthouse.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
@@ -198,6 +199,8 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
     async def status() -> JSONResponse:
         """The view's status snapshot, passed through unchanged."""
         return JSONResponse(view.status(), headers={"Cache-Control": "no-store"})
+
+    add_goodput_route(app, view, require_token)  # GET /goodput: the goodput ledger
 
     @app.get("/metrics", dependencies=[Depends(require_token)])
     async def metrics() -> Response:

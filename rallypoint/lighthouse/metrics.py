@@ -13,11 +13,12 @@ same name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 #: Content type of :meth:`LighthouseMetrics.render`. Pinned to the classic text format
 #: 0.0.4 (what ``generate_latest`` writes) rather than ``CONTENT_TYPE_LATEST``, whose
@@ -55,6 +56,55 @@ KNOWN_REJECT_REASONS: tuple[str, ...] = ("invalid_argument", "unauthenticated", 
 #: The kinds of event a ``rallypoint run`` supervisor reports (``reports.EVENT_KINDS``).
 KNOWN_RUN_EVENTS: tuple[str, ...] = ("restart", "gave_up", "stopped", "started")
 REPLICA_STATES: tuple[str, ...] = ("healthy", "participating", "attached")
+
+
+#: The label value of groups folded away by the goodput ledger (it keeps at most 1024 one by one).
+RETIRED_GROUPS = "_retired_"
+
+
+class _GoodputCollector:
+    """The goodput ledger's figures, as last set by :meth:`LighthouseMetrics.set_goodput`.
+
+    A collector rather than Gauge/Counter objects: the ledger's seconds are totals it keeps
+    (and restores after a restart), so they are exposed as counters whose value is set, not
+    incremented; and groups that come and go leave no stale series behind."""
+
+    def __init__(self) -> None:
+        self.ratio: float | None = None
+        self.model: float | None = None
+        self.seconds: dict[tuple[str, str], float] = {}
+        self.failed: dict[tuple[str, str], float] = {}
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily]:
+        return (
+            GaugeMetricFamily("rallypoint_goodput_ratio",
+                              "The job's goodput: productive group-seconds over all settled group-seconds (the "
+                              "goodput ledger; no sample before any time is settled)."),
+            GaugeMetricFamily("rallypoint_goodput_model_ratio",
+                              "The goodput model (1 - (T_detect + T_restart + T_load + tau/2)/MTBF) / (1 + delta/tau) "
+                              "evaluated with the ledger's measured parameters."),
+            CounterMetricFamily("rallypoint_goodput_seconds",
+                                "Settled seconds of each replica group's wall time, by bucket (productive, "
+                                "reconfiguration, healing, quorum_wait, failed, detection, excluded, spare, down, "
+                                "unreported).", labels=["replica_id", "bucket"]),
+            CounterMetricFamily("rallypoint_goodput_failed_seconds",
+                                "Seconds of each replica group's failed rounds, by cause.", labels=["replica_id", "cause"]),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        ratio, model, seconds, failed = self._families()
+        if self.ratio is not None:
+            ratio.add_metric([], self.ratio)
+        if self.model is not None:
+            model.add_metric([], self.model)
+        for (rid, bucket), value in sorted(self.seconds.items()):
+            seconds.add_metric([rid, bucket], value)
+        for (rid, cause), value in sorted(self.failed.items()):
+            failed.add_metric([rid, cause], value)
+        return iter((ratio, model, seconds, failed))
 
 
 class LighthouseMetrics:
@@ -157,6 +207,9 @@ class LighthouseMetrics:
             registry=r,
         )
         self._score_labels: set[str] = set()
+        # The goodput ledger (ledger.py), named as issue 15 names it.
+        self._goodput = _GoodputCollector()
+        r.register(self._goodput)
         for kind in KNOWN_RUN_EVENTS:
             self._run_events.labels(kind=kind)
         for state in REPLICA_STATES:
@@ -230,6 +283,32 @@ class LighthouseMetrics:
         self._score_labels = current
         self._straggler_flagged.set(flagged)
         self._straggler_excluded.set(excluded)
+
+    def set_goodput(self, doc: Mapping[str, Any] | None) -> None:
+        """The goodput ledger's document (``GoodputBook.summary()``; None leaves the last
+        figures). The ``unreported`` bucket's in-progress part is left out: a counter never
+        goes down, and that part moves into another bucket at the group's next report."""
+        if doc is None:
+            return
+        g = self._goodput
+        model = doc.get("model") or {}
+        g.ratio, g.model = doc.get("goodput"), model.get("goodput")
+        seconds: dict[tuple[str, str], float] = {}
+        failed: dict[tuple[str, str], float] = {}
+        for row in doc.get("groups") or ():
+            rid = str(row.get("group"))
+            for bucket, value in (row.get("buckets") or {}).items():
+                if bucket == "unreported":
+                    value = max(0.0, value - (row.get("in_progress_s") or 0.0))
+                seconds[(rid, bucket)] = float(value)
+            for cause, value in (row.get("failed_by_cause") or {}).items():
+                failed[(rid, cause)] = float(value)
+        retired = (doc.get("total") or {}).get("retired") or {}
+        for bucket, value in (retired.get("buckets") or {}).items():
+            seconds[(RETIRED_GROUPS, bucket)] = float(value)
+        for cause, value in (retired.get("failed_by_cause") or {}).items():
+            failed[(RETIRED_GROUPS, cause)] = float(value)
+        g.seconds, g.failed = seconds, failed
 
     def render(self) -> bytes:
         """Prometheus text exposition (format 0.0.4) of this lighthouse's registry."""

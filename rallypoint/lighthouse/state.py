@@ -41,6 +41,7 @@ from typing import Any, Iterator
 
 from rallypoint._net.version import __version__
 from rallypoint.lighthouse import _state_errors as _errors
+from rallypoint.lighthouse._ledger_store import LEDGER_SCHEMA, LEDGER_TABLE
 from rallypoint.lighthouse._state_errors import (  # re-exported: import the errors from here
     StateCorruptError as StateCorruptError, StateDiskFullError as StateDiskFullError,
     StateFileError as StateFileError, StateLockedError as StateLockedError,
@@ -376,9 +377,9 @@ class StateStore:
             if str(mode).lower() != "wal":
                 logger.warning("state file %s: WAL journal not available (got %s)", self._path, mode)
             conn.execute("PRAGMA synchronous = NORMAL")
-            if not tables:
+            if LEDGER_TABLE not in tables:  # a new file, or one from before the goodput ledger (no bump needed)
                 with _transaction(conn):
-                    for statement in _SCHEMA:
+                    for statement in (() if tables else _SCHEMA) + LEDGER_SCHEMA:
                         conn.execute(statement)
             row = conn.execute("SELECT quorum_id, created, members FROM quorum WHERE slot = 1").fetchone()
             quorum = None if row is None else self._parse_quorum(*row)

@@ -63,7 +63,12 @@ POLICIES: tuple[str, ...] = ("report", "evict")
 OUTCOMES: frozenset[str] = frozenset({"committed", "failed", "healing", "spare"})
 COUNTED_OUTCOMES: frozenset[str] = frozenset({"committed", "failed"})
 #: Timings of a round, seconds; each must be finite and within [0, MAX_SECONDS].
-TIMING_FIELDS: tuple[str, ...] = ("step_s", "compute_s", "quorum_wait_s", "comm_s", "heal_s", "commit_s")
+TIMING_FIELDS: tuple[str, ...] = (
+    "step_s", "compute_s", "quorum_wait_s", "comm_s", "heal_s", "commit_s", "configure_s",
+)
+#: Why a failed round failed (the manager's ``rules.STEP_CAUSES``, kept local so this module
+#: imports nothing but the standard library); another string is kept as ``"other"``.
+CAUSES: frozenset[str] = frozenset({"peer_down", "comm", "quorum", "vote", "participants", "injected", "sdc", "error"})
 MAX_SECONDS = 1e6
 #: Steps and counters beyond this are garbage (validate.MAX_COUNTER; kept local so this
 #: module imports nothing but the standard library).
@@ -155,6 +160,8 @@ class StepStats:
     comm_s: float = 0.0
     heal_s: float = 0.0
     commit_s: float = 0.0
+    configure_s: float = 0.0
+    cause: str | None = None  # failed rounds only (the goodput ledger's buckets)
 
 
 @dataclass(frozen=True)
@@ -235,11 +242,15 @@ def parse_step_stats(data: str) -> StepStats | None:
         shown = outcome[:40] if isinstance(outcome, str) else type(outcome).__name__
         raise BadStepStats(f"step_stats.outcome must be one of {', '.join(sorted(OUTCOMES))}, got {shown!r}")
     timings = {key: _seconds(raw, key, key == "compute_s") for key in TIMING_FIELDS}
+    cause = raw.get("cause")
+    if cause is not None and not isinstance(cause, str):
+        raise BadStepStats(f"step_stats.cause must be a string, got {type(cause).__name__}")
     return StepStats(
         step=_int(raw, "step", True),
         outcome=outcome,
         round=_int(raw, "round", False),
         rank=_int(raw, "rank", False),
+        cause=None if cause is None or outcome != "failed" else (cause if cause in CAUSES else "other"),
         **timings,
     )
 
@@ -500,7 +511,7 @@ def _round(value: float | None) -> float | None:
 
 
 __all__ = [
-    "COUNTED_OUTCOMES", "EVICTED", "MAX_OPEN_STEPS", "OUTCOMES", "POLICIES", "READMITTED", "STEP_RESET_GAP", "STRAGGLER",
+    "CAUSES", "COUNTED_OUTCOMES", "EVICTED", "MAX_OPEN_STEPS", "OUTCOMES", "POLICIES", "READMITTED", "STEP_RESET_GAP", "STRAGGLER",
     "STRAGGLER_CLEARED", "BadStepStats", "Event", "GroupState", "Policy", "StepStats", "StragglerTracker",
     "Verdict", "choose_eviction", "cooldown_for", "decayed_strikes", "max_strikes", "median", "parse_step_stats",
     "step_ratios", "verdict",
