@@ -270,8 +270,8 @@ def test_corrupt_gradients_fail_the_step_everywhere_and_a_flipped_parameter_heal
     """With the corruption checks on: a NaN and a bit-flipped gradient on one group are
     caught at that step, nothing is committed anywhere, and the group is named; a silently
     flipped parameter is caught at the next parameter check, its group heals from the
-    majority, and all three end bit-identical."""
-    lh = lighthouse(min_replicas=2, join_timeout_ms=2000)
+    majority, and all three end bit-identical. The lighthouse's event log names each."""
+    lh = lighthouse(min_replicas=2, join_timeout_ms=2000, http_bind="127.0.0.1:0")
     r = replicas_factory(lh)
     for i in range(3):
         r.start(f"replica_{i}", seed=1, delay=0.02, sdc=True, sdc_every=4)
@@ -295,3 +295,5 @@ def test_corrupt_gradients_fail_the_step_everywhere_and_a_flipped_parameter_heal
     target = max(r.step(f"replica_{i}") for i in range(3)) + 2
     r.finish(target, timeout=60)
     r.assert_identical([f"replica_{i}" for i in range(3)], target)
+    sdc = [(e["detail"]["check"], e["replica_id"].split(":")[0]) for e in _events(lh, "sdc")]
+    assert ("grad", "replica_1") in sdc and ("param", "replica_2") in sdc, sdc

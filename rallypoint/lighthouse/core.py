@@ -131,6 +131,7 @@ class LighthouseCore:
         self._last_sweep = 0.0
         # Straggler scores and exclusions: memory only (see the module docstring).
         self.stragglers = sg.StragglerTracker(stragglers)
+        self._sdc_seen: dict[tuple[int, str], None] = {}  # (step, check) of recorded sdc events
         self.injections = InjectionDesk()  # `rallypoint inject`: handed out with the next quorum answer
         # The goodput ledger (ledger.py): fed below, saved in the state file now and then.
         self.goodput = GoodputBook(None if store.path == MEMORY else store.path, wall=wall, clock=clock)
@@ -291,6 +292,8 @@ class LighthouseCore:
             if stats is None:
                 return
             self.goodput.round(rid, stats)
+            if stats.sdc is not None:
+                self._sdc_event(rid, stats)
             events = self.stragglers.observe(
                 rid, stats, now, lambda: self._healthy_now(now), self.options.min_replicas
             )
@@ -304,6 +307,20 @@ class LighthouseCore:
                 log.exception("[%s] straggler scoring failed; the quorum request is served regardless", rid)
             return
         self._straggler_events(events, now)
+
+    def _sdc_event(self, rid: str, stats: sg.StepStats) -> None:
+        """A corruption check failed a round: one ``sdc`` event per step and check (every
+        group of the quorum reports the same verdict), naming the groups it flagged."""
+        key = (stats.step, stats.sdc or "")
+        if key in self._sdc_seen:
+            return
+        self._sdc_seen[key] = None
+        while len(self._sdc_seen) > 64:
+            del self._sdc_seen[next(iter(self._sdc_seen))]
+        self.store.record_event("sdc", stats.sdc_bad[0] if stats.sdc_bad else rid, step=stats.step, check=stats.sdc,
+                                bad=list(stats.sdc_bad), reported_by=rid)
+        log.warning("silent data corruption at step %d (%s check): %s (reported by %s)", stats.step, stats.sdc,
+                    ", ".join(stats.sdc_bad) or "?", rid)
 
     def _healthy_now(self, now: float) -> set[str]:
         return q.healthy_replicas(now, q.View(self.heartbeats, self.pending), self.options)

@@ -162,6 +162,8 @@ class StepStats:
     commit_s: float = 0.0
     configure_s: float = 0.0
     cause: str | None = None  # failed rounds only (the goodput ledger's buckets)
+    sdc: str | None = None  # cause "sdc": the check that failed ("grad" or "param")
+    sdc_bad: tuple[str, ...] = ()  # and the replica groups it named
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,14 @@ def parse_step_stats(data: str) -> StepStats | None:
     cause = raw.get("cause")
     if cause is not None and not isinstance(cause, str):
         raise BadStepStats(f"step_stats.cause must be a string, got {type(cause).__name__}")
+    sdc, bad = raw.get("sdc"), raw.get("sdc_bad", [])
+    if sdc is not None and sdc not in ("grad", "param"):
+        raise BadStepStats("step_stats.sdc must be 'grad' or 'param'")
+    if not isinstance(bad, list) or len(bad) > 8 or not all(isinstance(n, str) and 0 < len(n) <= 256 for n in bad):
+        raise BadStepStats("step_stats.sdc_bad must be a list of at most 8 replica ids")
     return StepStats(
+        sdc=sdc if outcome == "failed" else None,
+        sdc_bad=tuple(bad) if outcome == "failed" else (),
         step=_int(raw, "step", True),
         outcome=outcome,
         round=_int(raw, "round", False),

@@ -171,7 +171,7 @@ class SdcGuard:
                 bad = ", ".join(f"{name(r)} ({verdict.reasons.get(r, '?')})" for r in sorted(verdict.bad))
                 why = why or f"{SDC_PREFIX} at step {step} (gradient-norm check): {bad}; the step fails everywhere"
                 self._log.warning("%s", why)
-                done["sdc_bad"] = sorted(name(r) for r in verdict.bad)
+                done["sdc_bad"], done["sdc_failed"] = sorted(name(r) for r in verdict.bad), "grad"
                 # Strikes count quorums (every retry of a failed step is a new one), so a group
                 # that fails the same step again and again is still caught.
                 strikes = guards.repeat_offenders(self._strikes, [name(r) for r in verdict.strikes], q.quorum_id,
@@ -190,7 +190,8 @@ class SdcGuard:
             hv = guards.param_hash_verdict(hashes)
             if hv.flagged:
                 names = ", ".join(f"{name(r)} ({hv.reasons[r]})" for r in sorted(hv.flagged))
-                done["sdc_bad"] = sorted(name(r) for r in hv.flagged)
+                if hv.fail_step or q.replica_rank in hv.minority or "sdc_failed" not in done:
+                    done["sdc_bad"], done["sdc_failed"] = sorted(name(r) for r in hv.flagged), "param"
                 msg = f"{SDC_PREFIX} at step {step} (parameter check): {names}"
                 self._log.warning("%s", msg)
                 if hv.fail_step:

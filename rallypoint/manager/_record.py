@@ -165,6 +165,9 @@ class StepRecord:
             "configure_s": _secs(self.configure_s),
             "cause": self.cause if self.kind == "failed" else None,
         }
+        if self.kind == "failed" and self.cause == "sdc" and self.extra.get("sdc_failed"):
+            stats["sdc"] = self.extra["sdc_failed"]
+            stats["sdc_bad"] = list(self.extra.get("sdc_bad", []))[:8]
         return {k: v for k, v in stats.items() if v is not None}  # an abandoned round never voted
 
     def as_dict(self) -> dict[str, Any]:

@@ -42,7 +42,12 @@ STEP_STATS_COUNTERS = ("step", "round")
 MAX_STEP_STATS_SECONDS = 1e6
 #: Bound of a counter field (protobuf's int64, like the step itself).
 MAX_STEP_STATS_COUNTER = 2**63 - 1
-_KNOWN = frozenset((*STEP_STATS_COUNTERS, "outcome", "cause", *STEP_STATS_SECONDS))
+#: Which corruption check failed a round, and the replica groups it named (at most
+#: MAX_SDC_NAMES ids of at most MAX_SDC_NAME_CHARS characters).
+SDC_CHECKS = ("grad", "param")
+MAX_SDC_NAMES = 8
+MAX_SDC_NAME_CHARS = 256
+_KNOWN = frozenset((*STEP_STATS_COUNTERS, "outcome", "cause", "sdc", "sdc_bad", *STEP_STATS_SECONDS))
 
 
 # ------------------------------------------------------------------ step stats
@@ -73,6 +78,15 @@ def check_step_stats(value: Any) -> dict[str, Any]:
             if v not in STEP_OUTCOMES:
                 raise ValueError(f"step stats field 'outcome' must be one of {', '.join(STEP_OUTCOMES)}, got {_show(v)}")
             out[key] = v
+        elif key == "sdc":
+            if v not in SDC_CHECKS:
+                raise ValueError(f"step stats field 'sdc' must be one of {', '.join(SDC_CHECKS)}, got {_show(v)}")
+            out[key] = v
+        elif key == "sdc_bad":
+            if not isinstance(v, list) or len(v) > MAX_SDC_NAMES \
+                    or not all(isinstance(n, str) and 0 < len(n) <= MAX_SDC_NAME_CHARS for n in v):
+                raise ValueError(f"step stats field 'sdc_bad' must be a list of at most {MAX_SDC_NAMES} replica ids")
+            out[key] = list(v)
         elif key == "cause":
             if v not in STEP_CAUSES:
                 raise ValueError(f"step stats field 'cause' must be one of {', '.join(STEP_CAUSES)}, got {_show(v)}")
