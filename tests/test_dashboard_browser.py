@@ -1,0 +1,41 @@
+"""The dashboard in a real headless browser (Debian's ``chromium``): its script runs,
+fetches ``/status`` and ``/goodput`` and draws what an operator reads: the replicas with
+their straggler scores and the goodput chart (an inline SVG). Skipped, with the reason,
+where no chromium is installed (``apt-get install chromium``)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from test_ledger import run_rounds
+
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+pytestmark = pytest.mark.skipif(BROWSER is None, reason="no headless browser: install Debian's chromium "
+                                                        "(apt-get install chromium) to test the dashboard")
+
+
+def _render(url: str) -> str:
+    """The page's DOM after its script ran (virtual time: its timers fire without waiting)."""
+    assert BROWSER is not None
+    with tempfile.TemporaryDirectory() as profile:
+        out = subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                              f"--user-data-dir={profile}", "--virtual-time-budget=8000", "--dump-dom", url],
+                             capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_dashboard_draws_replicas_scores_and_the_goodput_chart(lighthouse, client) -> None:
+    lh = lighthouse(min_replicas=2, http_bind="127.0.0.1:0")
+    run_rounds(client(lh), ["group_a", "group_b"], range(8))
+    dom = _render(f"{lh.http_address()}/")
+    assert "group_a" in dom and "group_b" in dom, dom[-3000:]
+    chart = re.search(r'<svg id="gp-chart".*?</svg>', dom, re.S)
+    assert chart is not None and chart.group(0).count("<polygon") >= 1 and "<polyline" in chart.group(0), dom[-3000:]
+    assert re.search(r'<section id="goodput"(?![^>]*hidden)', dom), "the goodput section stayed hidden"
+    assert re.search(r'id="gp-value">80\.0%<', dom), dom[-3000:]  # the ledger's 0.8, as the page shows it
