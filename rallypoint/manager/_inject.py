@@ -10,7 +10,9 @@ injection to the replica group with the next quorum answer (trailing metadata
 it to every rank. Each rank carries it out at its next step boundary at or after
 ``at_step``:
 
-- ``kill``: SIGKILL (the process ends as a crash does);
+- ``kill``: SIGKILL in the middle of the step, as the round's first collective is posted
+  (its peers are then in that collective, waiting for it: the crash the field fears most),
+  or at the next step boundary when the round had no collective;
 - ``hang``: the training thread stops for ``for_s`` seconds, or for good (a supervisor's
   hang watchdog is what ends it); heartbeats go on, as in a real hang;
 - ``slow``: each step takes ``factor`` times longer (the time before the first collective
@@ -98,20 +100,19 @@ class Injector:
 
     def at_step_start(self, step: int, base_compute_s: float | None) -> dict[str, Any]:
         """Carry out what is due at this step boundary; returns what was done (for the
-        round's record). Blocks for ``hang`` and ``slow``; never returns for ``kill``."""
+        round's record). Blocks for ``hang`` and ``slow``; arms ``kill`` for the round's first
+        collective (and never returns when an armed kill's round had none)."""
         done: dict[str, Any] = {}
         with self._lock:
             due = [i for i in self._pending if i.at_step is None or step >= i.at_step]
             self._pending = [i for i in self._pending if i not in due]
+            if self._armed is not None and self._armed.kind == "kill":  # its round had no collective
+                self._die()
             self._armed = None
         for inj in due:
             log.warning("[%s] carrying out injection %s (%s) at step %d", self.replica, inj.id, inj.kind, step)
             done.setdefault("injected", []).append(inj.kind)
-            if inj.kind == "kill":
-                for h in logging.getLogger().handlers:
-                    h.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif inj.kind == "hang":
+            if inj.kind == "hang":
                 self._closing.wait(inj.for_s if inj.for_s is not None else None)
             elif inj.kind == "slow":
                 until = self._clock() + inj.for_s if inj.for_s is not None else None
@@ -136,6 +137,12 @@ class Injector:
                 self._closing.wait(extra)
         return done
 
+    def _die(self) -> None:
+        log.warning("[%s] injected kill: SIGKILL now", self.replica)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def on_collective(self, tensor: torch.Tensor) -> str | None:
         """Called with the round's collectives' inputs: applies an armed gradient fault to
         the first one; returns ``"drop"`` when that collective must fail instead."""
@@ -143,6 +150,8 @@ class Injector:
             inj, self._armed = self._armed, None
         if inj is None:
             return None
+        if inj.kind == "kill":
+            self._die()
         if inj.kind == "drop-collective":
             return "drop"
         with torch.no_grad():
