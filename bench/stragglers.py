@@ -99,6 +99,7 @@ def run(fw: str, groups: int, slow_factor: float, args: argparse.Namespace) -> d
 
 
 def main() -> int:
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's in-process lighthouse logs every quorum at info
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, default=3)
     ap.add_argument("--factor", type=float, default=3.0, help="how much slower the slow group computes (3)")
