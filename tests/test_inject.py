@@ -163,6 +163,12 @@ def test_inject_needs_the_token_and_names_unknown_replicas(lighthouse) -> None:
     bad = httpx.post(f"{http}/inject", json={"kind": "nan-grad"}, headers={"Authorization": "Bearer s3cret"},
                      timeout=10)
     assert bad.status_code == 422 and "needs the replica" in bad.text
+    huge = httpx.post(f"{http}/inject", content=b"x" * (8 << 20), headers={"Authorization": "Bearer s3cret"},
+                      timeout=30)
+    assert huge.status_code == 413, huge.text  # refused while reading: never buffered whole
+    streamed = httpx.post(f"{http}/inject", content=iter([b"{" * 4096] * 64), headers={"Authorization": "Bearer s3cret"},
+                          timeout=30)
+    assert streamed.status_code == 413, streamed.text  # no Content-Length: refused once over the limit
     restart = httpx.post(f"{http}/inject", json={"kind": "lighthouse-restart"},
                          headers={"Authorization": "Bearer s3cret"}, timeout=10)
     assert restart.status_code == 409 and "cannot restart itself" in restart.text  # embedded: refused

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
 import socket
 import time
@@ -38,6 +37,8 @@ from rallypoint._net.auth import bearer_matches, bearer_token
 from rallypoint._net.inject import Injection
 from rallypoint._net.tls import TlsConfig, uvicorn_ssl_kwargs
 from rallypoint.lighthouse._goodput_http import add_goodput_route
+from rallypoint.lighthouse._http_body import DEFAULT_KILL_REASON  # noqa: F401 - re-exported (tests, users)
+from rallypoint.lighthouse._http_body import kill_reason as _kill_reason, read_capped as _read_capped
 from rallypoint.lighthouse.injections import MAX_REQUEST_BYTES, UnknownReplica, check_request
 from rallypoint.lighthouse.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
@@ -48,12 +49,6 @@ logger = logging.getLogger("rallypoint.lighthouse.http")
 #: may be a namespace package, and a plain path works for both layouts.
 DASHBOARD_PATH = Path(__file__).with_name("static") / "dashboard.html"
 
-#: The reason sent to a manager when the kill request names none.
-DEFAULT_KILL_REASON = "killed through the lighthouse HTTP API"
-
-#: Kill request bodies are tiny; anything bigger is a mistake or abuse.
-MAX_KILL_BODY_BYTES = 64 * 1024
-MAX_REASON_CHARS = 4096
 
 #: How long a kill may wait for the manager. The view's own RPC should time out first;
 #: this is the backstop so one stuck manager never pins an HTTP request forever.
@@ -107,40 +102,6 @@ class LighthouseView(Protocol):
 def _dashboard_html() -> str:
     """The dashboard page, read once: it is static and the lighthouse may run for weeks."""
     return DASHBOARD_PATH.read_text(encoding="utf-8")
-
-
-async def _kill_reason(request: Request) -> str:
-    """The reason of an optional ``{"reason": "..."}`` body.
-
-    Parsed by hand, after the token check, so an unauthenticated caller always gets
-    401 (never a 422 that would tell it about the body format first), and an empty
-    body, ``null`` or ``{}`` all mean "no reason given".
-    """
-    raw = await request.body()
-    if len(raw) > MAX_KILL_BODY_BYTES:
-        raise HTTPException(
-            status_code=413, detail=f"kill body too large ({len(raw)} bytes, at most {MAX_KILL_BODY_BYTES})"
-        )
-    if not raw.strip():
-        return DEFAULT_KILL_REASON
-    try:
-        data = json.loads(raw)
-    except ValueError:  # includes UnicodeDecodeError
-        raise HTTPException(
-            status_code=422, detail='kill body must be JSON like {"reason": "..."} (or empty)'
-        ) from None
-    if data is None:
-        return DEFAULT_KILL_REASON
-    if not isinstance(data, dict):
-        raise HTTPException(status_code=422, detail='kill body must be a JSON object like {"reason": "..."}')
-    reason = data.get("reason")
-    if reason is None or reason == "":
-        return DEFAULT_KILL_REASON
-    if not isinstance(reason, str):
-        raise HTTPException(status_code=422, detail='"reason" must be a string')
-    if len(reason) > MAX_REASON_CHARS:
-        raise HTTPException(status_code=422, detail=f'"reason" is longer than {MAX_REASON_CHARS} characters')
-    return reason
 
 
 def _client(request: Request) -> str:
@@ -291,14 +252,14 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
     async def inject(request: Request) -> JSONResponse:
         """A fault injection (``rallypoint inject``; :mod:`rallypoint.lighthouse.injections`):
         ``{"kind": "slow", "replica": "replica_1", "factor": 3, "for_s": 30}``."""
-        raw = await request.body()
+        raw = await _read_capped(request, MAX_REQUEST_BYTES, "inject")
         try:
             name, inj = check_request(raw)
             rid = view.inject(name, inj)
         except UnknownReplica as e:
             raise HTTPException(status_code=404, detail=str(e)) from None
         except ValueError as e:  # a malformed request, or too many waiting for the replica
-            raise HTTPException(status_code=413 if len(raw) > MAX_REQUEST_BYTES else 422, detail=str(e)) from None
+            raise HTTPException(status_code=422, detail=str(e)) from None
         except RuntimeError as e:
             raise HTTPException(status_code=409, detail=str(e)) from None
         logger.warning("injection %s (%s) into %r requested by %s", inj.id, inj.kind, rid, _client(request))
