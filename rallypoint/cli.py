@@ -73,7 +73,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _flag(lh, "straggler-votes", type=int, default=5,
           help="slow steps within the window that make a straggler (5; at most --straggler-window)")
     _flag(lh, "straggler-cooldown-s", type=float, default=10.0,
-          help="first eviction's cool-down, doubling on repeats up to 60 s (10)")
+          help="first eviction's cool-down, doubling on repeats up to 30 s (10)")
     lh.set_defaults(usage_parser=lh)  # option errors found after parsing print this command's usage
 
     st = sub.add_parser("status", help="print the lighthouse's quorum as a table")
@@ -166,7 +166,8 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
             forget_after_ms=args.forget_after_ms,
             tls=tls,
             stragglers=stragglers,
-            on_restart=restart.set,
+            # A restart from an in-memory state would hand out quorum ids again: refused then.
+            on_restart=restart.set if args.state != ":memory:" else None,
         )
     except (StateFileError, OSError, ValueError) as e:
         # StateFileError (locked, corrupt, newer schema, read-only, disk full) is one complete
@@ -193,29 +194,37 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
     return 0
 
 
+def pin_ports(argv: list[str], flags: dict[str, tuple[str | None, str]]) -> list[str]:
+    """``argv`` with each ``--flag HOST:PORT`` (or ``--flag=``, or the ``--flag_name``
+    spelling) rebound to the port the server actually got, keeping its host; a flag not
+    given is added with its default host. ``flags``: flag -> (the bound address, or None
+    when off; the default host)."""
+    from rallypoint._net.addr import join_host_port, split_host_port
+
+    out = list(argv)
+    for flag, (addr, default_host) in flags.items():
+        if addr is None:
+            continue
+        port = split_host_port(addr.split("://")[-1])[1]
+        spellings = (flag, "--" + flag[2:].replace("-", "_"))
+        for i, a in enumerate(out):
+            name, eq, value = a.partition("=")
+            if name in spellings and eq:
+                out[i] = f"{name}={join_host_port(split_host_port(value)[0], port)}"
+                break
+            if a in spellings and i + 1 < len(out):
+                out[i + 1] = join_host_port(split_host_port(out[i + 1])[0], port)
+                break
+        else:
+            out += [flag, join_host_port(default_host.strip("[]"), port)]
+    return out
+
+
 def _restart_lighthouse(given: list[str], grpc_addr: str, http_addr: str | None) -> None:
     """A `lighthouse-restart` injection: start this command again in this process (the
     same pid, so a supervisor sees no exit), on the ports it had (a ``:0`` bind would move
     it), from its state file. Clients see it go and come back, as after a real restart."""
-    from rallypoint._net.addr import split_host_port
-
-    argv = list(given)
-
-    def pin(flag: str, addr: str | None) -> None:
-        if addr is None:
-            return
-        port = split_host_port(addr.split("://")[-1])[1]
-        for i, a in enumerate(argv):
-            if a in (flag, "--" + flag[2:].replace("-", "_")) and i + 1 < len(argv):
-                argv[i + 1] = f"{split_host_port(argv[i + 1])[0]}:{port}"
-                return
-            if a.startswith(flag + "="):
-                argv[i] = f"{flag}={split_host_port(a.split('=', 1)[1])[0]}:{port}"
-                return
-        argv.extend([flag, f"[::]:{port}" if flag == "--bind" else f"0.0.0.0:{port}"])
-
-    pin("--bind", grpc_addr)
-    pin("--http-bind", http_addr)
+    argv = pin_ports(given, {"--bind": (grpc_addr, "[::]"), "--http-bind": (http_addr, "[::]")})
     log.warning("restarting the lighthouse (injected): %s -m rallypoint %s", sys.executable, " ".join(argv))
     for h in logging.getLogger().handlers:
         h.flush()

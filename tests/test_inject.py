@@ -303,3 +303,24 @@ def test_corrupt_gradients_fail_the_step_everywhere_and_a_flipped_parameter_heal
     r.assert_identical([f"replica_{i}" for i in range(3)], target)
     sdc = [(e["detail"]["check"], e["replica_id"].split(":")[0]) for e in _events(lh, "sdc")]
     assert ("grad", "replica_1") in sdc and ("param", "replica_2") in sdc, sdc
+
+
+def test_deeply_nested_requests_are_refused_not_crashes() -> None:
+    deep = b"[" * 3000 + b"]" * 3000
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_injections(deep[:4000])
+    with pytest.raises(ValueError, match="must be JSON"):
+        check_request(b"[" * 1000 + b"]" * 1000)
+
+
+@pytest.mark.parametrize("argv, bound, want", [
+    (["--bind", "[::]:29510", "--http_bind=127.0.0.1:0"], ("[::1]:29510", "http://127.0.0.1:40001"),
+     ["--bind", "[::]:29510", "--http_bind=127.0.0.1:40001"]),
+    (["--bind=127.0.0.1:0", "--http-bind", "off"], ("127.0.0.1:5555", None), ["--bind=127.0.0.1:5555", "--http-bind", "off"]),
+    (["--min-replicas", "1"], ("0.0.0.0:29510", "127.0.0.1:29511"),
+     ["--min-replicas", "1", "--bind", "[::]:29510", "--http-bind", "[::]:29511"]),
+])
+def test_a_restarting_lighthouse_keeps_its_hosts_and_pins_its_ports(argv: list[str], bound: tuple, want: list[str]) -> None:
+    from rallypoint.cli import pin_ports
+
+    assert pin_ports(argv, {"--bind": (bound[0], "[::]"), "--http-bind": (bound[1], "[::]")}) == want

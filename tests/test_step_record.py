@@ -24,10 +24,13 @@ def _rec(**kw: Any) -> StepRecord:
     # forward until the first collective at 102 (2 s after the previous round), nothing waited
     (dict(first_collective=102.0, last_collective_done=103.0, commit_started=103.1, ended=103.2),
      dict(step_s=3.2, compute_s=2.0, comm_s=1.0, commit_s=0.1, kind="committed")),
-    # 0.5 s blocked on the quorum and 0.25 s healing come off compute
+    # 0.5 s blocked on the quorum and 0.25 s healing before the first collective come off compute
     (dict(first_collective=102.0, last_collective_done=102.5, commit_started=102.6, ended=102.7,
-          quorum_wait_s=0.5, heal_s=0.25),
+          quorum_wait_s=0.5, heal_s=0.25, heal_before_s=0.25),
      dict(step_s=2.7, compute_s=1.25, comm_s=0.5, kind="committed")),
+    # healing after the first collective (a training-thread heal in should_commit) does not
+    (dict(first_collective=102.0, last_collective_done=102.5, commit_started=103.6, ended=103.7, heal_s=1.0),
+     dict(compute_s=2.0, commit_s=0.1)),
     # no collective: compute runs to the commit vote
     (dict(commit_started=101.0, ended=101.5), dict(compute_s=1.0, comm_s=0.0, commit_s=0.5)),
     # a healing round, a spare round, a failed one, one without should_commit
@@ -135,3 +138,15 @@ def test_cause_of(error: Exception, cause: str) -> None:
     from rallypoint.manager._record import cause_of
 
     assert cause_of(error) == cause
+
+
+def test_stats_naming_many_long_groups_still_fit_the_servers_limit() -> None:
+    import json
+
+    from rallypoint.manager.rules import MAX_STEP_STATS_BYTES, check_step_stats
+
+    names = [f"{'g' * 150}{i}:{'0' * 36}" for i in range(8)]  # 8 x 188 characters: over the limit
+    rec = _rec(ended=101.0, outcome="failed", cause="sdc", extra={"sdc_failed": "grad", "sdc_bad": names})
+    stats = rec.stats()
+    assert stats is not None and 1 <= len(stats["sdc_bad"]) < 8 and stats["sdc"] == "grad"
+    assert len(json.dumps(stats, separators=(",", ":"))) <= MAX_STEP_STATS_BYTES and check_step_stats(stats) == stats

@@ -82,8 +82,8 @@ def parse_injections(raw: bytes | str | None) -> list[Injection]:
         raise ValueError(f"injections are {len(raw)} bytes; the limit is {MAX_INJECT_BYTES}")
     try:
         value = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"injections are not JSON: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # deep nesting: RecursionError
+        raise ValueError(f"injections are not JSON: {type(e).__name__}") from None
     if not isinstance(value, list) or len(value) > MAX_INJECTIONS:
         raise ValueError(f"injections must be a JSON list of at most {MAX_INJECTIONS}")
     return [check_injection(v) for v in value]

@@ -62,7 +62,7 @@ def check_request(raw: bytes | str) -> tuple[str, Injection]:
         raise ValueError(f"inject request is {len(raw)} bytes; the limit is {MAX_REQUEST_BYTES}")
     try:
         value = json.loads(raw or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # deep nesting: RecursionError
         raise ValueError('inject request must be JSON like {"kind": "slow", "replica": "replica_1", "factor": 3}') \
             from None
     if not isinstance(value, dict):

@@ -11,8 +11,10 @@ rows, so they reach the same verdict without another round trip:
 
 - a NaN/Inf or outlier gradient norm fails the step everywhere (every group's rank votes
   false, nothing is committed) and names the group; a group flagged again within the
-  strike window is made to heal: it votes false in the next round while the others commit,
-  so it falls one step behind and the next quorum heals it from a healthy peer;
+  strike window is made to heal: in the next round it sends zeros and votes false while the
+  others commit (their mean keeps its usual divisor, so every replica applies the same
+  update whatever strike records each holds), falls one step behind and heals from a
+  healthy peer;
 - parameter hashes that differ: a minority votes false (the majority commits), falls behind
   and heals from the majority; without a majority (two groups) the step fails everywhere,
   every group is named, and that step is not checked again (nothing says who is right).
@@ -41,7 +43,8 @@ from typing import Any
 import torch
 
 from rallypoint.manager import guards
-from rallypoint.manager._sdc import exchange, grad_norm_tensor, halves_to_u64, param_hash, u64_to_halves
+from rallypoint.manager._sdc import (SdcExchangeError, grad_norm_tensor, halves_to_u64, param_hash, start_exchange,
+                                     u64_to_halves)
 from rallypoint.manager.recovery import QuorumResult
 
 #: Environment switches (the Manager's arguments win): the gradient check on/off, and the
@@ -92,7 +95,7 @@ class SdcGuard:
         this replica fails its step (cause ``sdc``); a failed exchange aborts the process
         group (the step cannot commit, and peers blocked in it fail now)."""
         try:
-            why, done = self.check(pg, q, state_ok, timeout, replica_id)
+            why, done = self.check(pg, q, state_ok, timeout, replica_id, post=failfast.add_work)
         except Exception as e:  # noqa: BLE001
             failfast.abort(e, "comm")
             return {"sdc_checked": ["failed"]}
@@ -103,11 +106,6 @@ class SdcGuard:
     def sitting_out(self, replica_id: str) -> bool:
         """This replica sits this round out (a repeat offender: zeros in, no commit)."""
         return replica_id in self._sit_out
-
-    def sit_out_count(self, replica_ids: Iterable[str]) -> int:
-        """How many of the quorum's replicas sit this round out (every member knows the same
-        set: they all applied the same rules to the same rows), for the mean's divisor."""
-        return sum(1 for r in replica_ids if r in self._sit_out)
 
     @property
     def enabled(self) -> bool:
@@ -131,8 +129,19 @@ class SdcGuard:
             with self._lock:
                 self._norms.append(norm)
 
+    def _device(self, pg: Any, norms: list[torch.Tensor]) -> torch.device | None:
+        """Where the exchange's tensor lives: the parameters' (or gradients') device, so an
+        NCCL group gets a CUDA tensor; every member decides alike (same model, same group)."""
+        if self._params:
+            return self._params[0].device
+        if norms:
+            return norms[0].device
+        if "nccl" in type(pg).__name__.lower() and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return None
+
     def check(self, pg: Any, q: QuorumResult, state_ok: bool, timeout: timedelta,
-              replica_id: str) -> tuple[str | None, dict[str, Any]]:
+              replica_id: str, post: Any = None) -> tuple[str | None, dict[str, Any]]:
         """Exchange this round's rows and decide. Returns ``(why this replica must vote
         false, or None; what was checked, for the round's record)``. ``state_ok``: its
         parameters are the step's (it did not heal in this round)."""
@@ -152,8 +161,17 @@ class SdcGuard:
                 self._warned_no_params = True
                 self._log.warning("sdc_check_every is set but no parameters were registered (register_sdc_params, "
                                   "or rallypoint's DistributedDataParallel): the parameter check is skipped")
-        rows = exchange(pg, q.replica_rank, q.replica_world_size, [valid_norm, norm, valid_hash, h_hi, h_lo],
-                        timeout)
+        values = [valid_norm, norm, valid_hash, h_hi, h_lo]
+        device = self._device(pg, norms)
+
+        def start() -> Any:
+            return start_exchange(pg, q.replica_rank, q.replica_world_size, values, device=device)
+
+        # Through FailFast (``post``): a peer's death while we wait in it aborts it at once.
+        pending = post(start) if post is not None else start()
+        if pending is None:
+            raise SdcExchangeError(f"SDC check exchange at replica {replica_id} not started: a quorum member is gone")
+        rows = pending.wait(timeout)
         done: dict[str, Any] = {"sdc_checked": ["grad"] + (["param"] if do_hash else [])}
         why: str | None = None
         ids = list(q.replica_ids)

@@ -143,7 +143,7 @@ class Injector:
             h.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def on_collective(self, tensor: torch.Tensor) -> str | None:
+    def on_collective(self, tensor: torch.Tensor, contributes: bool = True) -> str | None:
         """Called with the round's collectives' inputs: applies an armed gradient fault to
         the first one; returns ``"drop"`` when that collective must fail instead."""
         with self._lock:
@@ -154,6 +154,9 @@ class Injector:
             self._die()
         if inj.kind == "drop-collective":
             return "drop"
+        if not contributes:  # zeros in (healing, spare): a corrupt gradient here is nobody's gradient
+            log.warning("[%s] %s not carried out: this replica sends no gradient this round", self.replica, inj.kind)
+            return None
         with torch.no_grad():
             if inj.kind == "nan-grad" and tensor.numel():
                 tensor.reshape(-1)[0] = float("nan")

@@ -16,7 +16,8 @@ The split of a step's time (all seconds, on this rank's clock):
 - ``quorum_wait_s``: the training thread blocked waiting for the quorum (an async quorum
   that arrives during forward costs nothing here).
 - ``heal_s``: the training thread fetching and applying a heal, or serving one
-  (``heal_on_training_thread``); a quorum-thread transfer shows up as quorum wait.
+  (``heal_on_training_thread``); a quorum-thread transfer shows up as quorum wait. Only
+  the part before the first collective comes off ``compute_s``.
 - ``compute_s``: the time before this round's first cross-replica collective, less the
   two above: forward and the start of backward (and the previous optimizer step). It is
   the part of a step that no peer can slow down, which is why straggler scores use it: a
@@ -24,17 +25,21 @@ The split of a step's time (all seconds, on this rank's clock):
   ``comm_s`` and the slow group's own slowness in ``compute_s``. Without a collective,
   everything up to the commit vote.
 - ``comm_s``: from the first collective issued to the last one finished.
-- ``commit_s``: the commit vote (``should_commit``'s barrier with the group).
+- ``commit_s``: ``should_commit`` from its start: the corruption checks' exchange (when
+  on) and the commit vote (its barrier with the group).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 #: Rounds a Manager remembers (``Manager.step_records()``).
 KEEP = 256
+#: What the ManagerServer accepts (``rules.MAX_STEP_STATS_BYTES``), less a margin.
+MAX_STATS_BYTES = 1000
 
 
 def _secs(x: float) -> float:
@@ -89,6 +94,7 @@ class StepRecord:
     configure_s: float = 0.0
     quorum_wait_s: float = 0.0
     heal_s: float = 0.0
+    heal_before_s: float = 0.0  # the part of heal_s before the first collective (comes off compute_s)
     first_collective: float | None = None  # monotonic: the first collective issued
     last_collective_done: float | None = None  # monotonic: the last one finished
     collectives: int = 0
@@ -128,7 +134,7 @@ class StepRecord:
         until = self.first_collective if self.first_collective is not None else self.commit_started
         if until is None:
             until = self.ended
-        return _secs(until - self.since - self.quorum_wait_s - self.heal_s)
+        return _secs(until - self.since - self.quorum_wait_s - self.heal_before_s)
 
     @property
     def comm_s(self) -> float:
@@ -167,7 +173,11 @@ class StepRecord:
         }
         if self.kind == "failed" and self.cause == "sdc" and self.extra.get("sdc_failed"):
             stats["sdc"] = self.extra["sdc_failed"]
-            stats["sdc_bad"] = list(self.extra.get("sdc_bad", []))[:8]
+            names = [str(n)[:256] for n in self.extra.get("sdc_bad", [])][:8]
+            # The server refuses stats over MAX_STATS_BYTES: name fewer groups rather than lose the round.
+            while names and len(json.dumps({**stats, "sdc_bad": names}, separators=(",", ":"))) > MAX_STATS_BYTES:
+                names.pop()
+            stats["sdc_bad"] = names
         return {k: v for k, v in stats.items() if v is not None}  # an abandoned round never voted
 
     def as_dict(self) -> dict[str, Any]:

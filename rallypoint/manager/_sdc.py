@@ -299,6 +299,11 @@ class PendingExchange(Generic[N]):
         self._replica_rank = replica_rank
         self._world = world
 
+    def finished(self) -> bool:
+        """Whether the collective has ended (FailFast asks, to decide whether a peer's death
+        can still block it)."""
+        return bool(self._work.is_completed())
+
     def wait(self, timeout: timedelta | float) -> list[list[N]]:
         """Block until every replica's row is here, at most ``timeout`` (seconds or a
         timedelta). Raises :class:`SdcExchangeError` on a failure or a timeout."""

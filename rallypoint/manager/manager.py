@@ -91,6 +91,7 @@ class _Round:
     apply_due: bool = False  # healing: contributes zeros until ``pending`` is applied
     quorum_error: Exception | None = None  # raised by should_commit / wait_quorum
     served_here: bool = False  # the training thread served a heal in this round
+    skipped: bool = False  # allreduce skipped a collective (the step had already failed)
 
 
 class Manager(GroupConnection):
@@ -431,7 +432,10 @@ class Manager(GroupConnection):
         if rnd.apply_due:
             self._apply_pending_state_dict(rnd)
         if q is not None or rnd.rec.healing:
-            rnd.rec.heal_s += time.monotonic() - t0
+            dt = time.monotonic() - t0
+            rnd.rec.heal_s += dt
+            if rnd.rec.first_collective is None:
+                rnd.rec.heal_before_s += dt
 
     def _apply_pending_state_dict(self, rnd: _Round) -> None:
         pending, rnd.pending, rnd.apply_due = rnd.pending, None, False
@@ -458,17 +462,17 @@ class Manager(GroupConnection):
         argument order is torchft's; a ``ReduceOp`` passed second is taken as ``reduce_op``."""
         who = f"replica {self._replica_id}"
         should_quantize, reduce_op = allreduce_args(should_quantize, reduce_op, False, who)
+        if self.errored() is None:
+            self._wait_future()
         if self.errored() is not None:
-            return DoneWork(tensor)
-        self._wait_future()
-        if self.errored() is not None:
+            self._cur.skipped = True  # this round's collectives are out of step with its peers'
             return DoneWork(tensor)
         zeros = not self.is_participating() or self._participating_world_size < self._quorum_size()
         allreduce_args(should_quantize, reduce_op, zeros, who)
         contributes = self.is_participating()
         if not contributes:
             tensor.zero_()
-        if self._injector.on_collective(tensor) == "drop":
+        if self._injector.on_collective(tensor, contributes) == "drop":
             self._ff.abort(RuntimeError("injected fault: drop-collective"), "injected")
             return DoneWork(tensor)
         self._guard.observe(tensor, contributes)  # before the collective changes it in place
@@ -476,8 +480,7 @@ class Manager(GroupConnection):
         if rec.first_collective is None:
             rec.first_collective = time.monotonic()
         rec.collectives += 1
-        sit_out = self._guard.sit_out_count(self._last_quorum.replica_ids if self._last_quorum else ())
-        divisor = max(1, self._participating_world_size - sit_out) if reduce_op == ReduceOp.AVG else None
+        divisor = max(1, self._participating_world_size) if reduce_op == ReduceOp.AVG else None
         managed = self._ff.add_work(lambda: ManagedWork.post(self._ff, self._pg, tensor, should_quantize, reduce_op,
                                                              divisor))
         return DoneWork(tensor) if managed is None else managed
@@ -493,15 +496,18 @@ class Manager(GroupConnection):
         if self._quorum_future is None:
             raise RuntimeError("should_commit() called before start_quorum()")
         self._wait_future()
-        self._heal_here()
         rnd = self._cur
+        if self._guard.enabled and rnd.rec.quorum_id is not None and self._last_quorum is not None \
+                and not rnd.skipped and self._pg.errored() is None:
+            # Before a training-thread heal, so no peer waits in the exchange for it; not after
+            # skipping this round's collectives, whose peers are still in those.
+            rnd.rec.extra.update(self._guard.check_round(self._pg, self._last_quorum, not rnd.rec.healing,
+                                                         self._timeout, self._replica_id, self._ff))
+        self._heal_here()
         rnd.rec.commit_started = time.monotonic()
         pg_err = self._pg.errored()
         if pg_err is not None:
             self.report_error(pg_err)
-        elif self._guard.enabled and self._last_quorum is not None and rnd.rec.quorum_id is not None:
-            rnd.rec.extra.update(self._guard.check_round(self._pg, self._last_quorum, not rnd.rec.healing,
-                                                         self._timeout, self._replica_id, self._ff))
         enough = self._participating_world_size >= self._min_replica_size
         local = enough and self.errored() is None
         try:
