@@ -233,7 +233,14 @@ def w_join_threads(prefix: str, timeout_s: float) -> int:
     """Join this worker's threads whose name starts with ``prefix``; how many are left."""
     deadline = time.monotonic() + timeout_s
     for t in [t for t in threading.enumerate() if t.name.startswith(prefix)]:
-        t.join(max(0.0, deadline - time.monotonic()))
+        while True:
+            try:
+                t.join(max(0.0, deadline - time.monotonic()))
+                break
+            except RuntimeError:  # listed while still starting: join() refuses it until it runs
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.005)  # thread start has no event to wait on
     return len([t for t in threading.enumerate() if t.name.startswith(prefix)])
 
 
