@@ -241,7 +241,10 @@ def test_a_source_that_publishes_late_never_holds_up_the_receive(transports: Cal
     first.send_checkpoint([1], 1, sd, TEN)
     dst = transports(**MANY_RANGES)
     assert_same(sd, dst.recv_checkpoint(0, f"{first.metadata()},{late.metadata()}", 1, TEN))
-    alive = [t.name for t in threading.enumerate() if t.name.startswith("rp-http-recv")]
+    deadline = time.monotonic() + 2.0  # a worker asking for the header stops at its next poll (<= 20 ms)
+    while (alive := [t.name for t in threading.enumerate() if t.name.startswith("rp-http-recv")]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)  # thread exit has no event to wait on
     assert not alive, alive  # no worker left waiting for the late source's header
     first.disallow_checkpoint()
     assert first._served is None  # told done: withdrawn, nothing copied

@@ -249,6 +249,7 @@ class Receive:
         t = self.t
         todo: collections.deque[tuple[int, int]] = collections.deque(ranges)
         left = [len(ranges)]
+        writing = [0]  # workers inside _fetch_range: the only ones that write into the sink
         cv = threading.Condition(self.lock)
         stop = threading.Event()
         errors: list[BaseException] = []
@@ -265,8 +266,14 @@ class Receive:
                     if not todo or src.dead is not None or stop.is_set():
                         return
                     rng = todo.popleft()
+                    writing[0] += 1
                 try:
-                    self._fetch_range(client, src, sink, rng, stop)
+                    try:
+                        self._fetch_range(client, src, sink, rng, stop)
+                    finally:
+                        with cv:
+                            writing[0] -= 1
+                            cv.notify_all()
                 except (httpx.HTTPError, wire.WireError, TransferError) as exc:
                     with cv:
                         todo.appendleft(rng)
@@ -319,9 +326,15 @@ class Receive:
             with cv:
                 cv.notify_all()
             # Workers notice ``stop`` at their next chunk and every read has a deadline, so
-            # they end by then anyway; wait a moment so none writes after we return.
+            # they end by then anyway; wait (a moment at most) until none is still writing a
+            # range into the destination. A worker still asking a late source for its header
+            # writes nothing: waiting for it held a complete receive up by up to a second.
             ex.shutdown(wait=False, cancel_futures=True)
-            cf.wait(futures, timeout=min(1.0, max(0.0, self.deadline - time.monotonic())))
+            end = time.monotonic() + min(1.0, max(0.0, self.deadline - time.monotonic()))
+            with cv:
+                while writing[0] > 0 and time.monotonic() < end:
+                    cv.wait(max(0.0, end - time.monotonic()))
+            cf.wait(futures, timeout=0.05)  # the others (asking for a header) stop at their next poll
         served = {s.base: s.served for s in self.sources if s.served}
         if len(self.sources) > 1:
             logger.info("%s: ranges per source %s", self.where, served)
