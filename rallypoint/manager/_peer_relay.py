@@ -55,8 +55,12 @@ class PeerDownRelay:
         self._thread: threading.Thread | None = None
 
     def publish(self, replica_id: str, reason: str) -> None:
-        """Append a notice for every listening rank (rank 0, on the liveness thread)."""
-        self._append({"replica_id": replica_id, "reason": reason})
+        """Append a notice for every listening rank (rank 0, on the liveness thread). A
+        failure is logged, never raised: the notice's own abort must still happen."""
+        try:
+            self._append({"replica_id": replica_id, "reason": reason})
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not relay the loss of %s to the other group ranks: %s", replica_id, e)
 
     def _append(self, entry: dict[str, object]) -> None:
         with self._lock:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -193,4 +194,31 @@ class StepRecord:
         return d
 
 
-__all__ = ["KEEP", "StepRecord", "cause_of"]
+class RoundLog:
+    """The last :data:`KEEP` finished rounds (appended by the training thread; a deque's
+    append and read are safe to race with a reader on another thread)."""
+
+    def __init__(self) -> None:
+        self._done: deque[StepRecord] = deque(maxlen=KEEP)
+
+    def since(self, now: float) -> float:
+        """Where the next round's time starts: the end of the last one (or ``now``)."""
+        last = self.last()
+        return last.ended if last is not None and last.ended is not None else now
+
+    def close(self, rec: StepRecord, now: float, outcome: str, works: list[Any]) -> None:
+        """End ``rec`` (its collectives' last finish time from ``works``) and keep it."""
+        done = [w.done_at for w in works if getattr(w, "done_at", None) is not None]
+        if done:
+            rec.last_collective_done = max(done)
+        rec.ended, rec.outcome = now, outcome
+        self._done.append(rec)
+
+    def last(self) -> StepRecord | None:
+        return self._done[-1] if self._done else None
+
+    def all(self) -> list[StepRecord]:
+        return list(self._done)
+
+
+__all__ = ["KEEP", "RoundLog", "StepRecord", "cause_of"]

@@ -48,7 +48,6 @@ import os
 import socket
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
@@ -66,7 +65,7 @@ from rallypoint.manager._heal import Healer
 from rallypoint.manager._inject import Injector
 from rallypoint.manager._outage import Outage, quorum_failure
 from rallypoint.manager._peer_relay import PeerDownRelay
-from rallypoint.manager._record import KEEP as _KEEP_RECORDS, StepRecord, cause_of
+from rallypoint.manager._record import RoundLog, StepRecord, cause_of
 from rallypoint.manager._state import UserState
 from rallypoint.manager._work import DoneWork, ManagedWork, allreduce_args
 from rallypoint.manager.recovery import QuorumResult
@@ -174,11 +173,9 @@ class Manager(GroupConnection):
         self._client: Any = None  # ManagerClient, or LocalManagerClient on group rank 0
         self._log: logging.LoggerAdapter = _ReplicaLog(log, {"replica_id": replica_id, "group_rank": self._group_rank})
         self._outage = Outage(self._log)  # the bounded backoff while no quorum call gets through
-        # The current round (start_quorum .. should_commit) and the ones before it.
-        now = time.monotonic()
+        now = time.monotonic()  # the current round (start_quorum .. should_commit), then the finished ones
         self._cur = _Round(StepRecord(round=0, step=0, since=now, started=now))
-        self._records: deque[StepRecord] = deque(maxlen=_KEEP_RECORDS)
-        self._round_end: float | None = None  # monotonic: when the last round ended
+        self._rounds = RoundLog()  # the finished ones
         self._ff = FailFast(pg, self._log, str(replica_id), self._timeout, on_error=self._note_error)
         self._guard = SdcGuard.from_settings(sdc_check, sdc_check_every, self._log)  # or RALLYPOINT_SDC_CHECK*
         self._injector = Injector(str(replica_id), lambda: self._user_state.snapshot(dict)["user"], self._closing)
@@ -253,10 +250,7 @@ class Manager(GroupConnection):
         """The lighthouse says ``replica_id`` died (rank 0's liveness stream, or the relay):
         tell the group's other ranks (rank 0), then let FailFast abort what blocks on it."""
         if self._group_rank == 0 and self._relay is not None:
-            try:
-                self._relay.publish(replica_id, reason)
-            except Exception as e:  # noqa: BLE001
-                self._log.warning("could not relay the loss of %s to the other group ranks: %s", replica_id, e)
+            self._relay.publish(replica_id, reason)
         self._ff.peer_down(replica_id, reason)
 
     # ------------------------------------------------------------------ quorum
@@ -269,9 +263,10 @@ class Manager(GroupConnection):
         prev = self._cur.rec
         if prev.round and prev.ended is None:  # a round that never reached should_commit
             self._close_round(prev, now, "abandoned")
-        stats = self._records[-1].stats() if self._records else None
-        rnd = self._cur = _Round(StepRecord(round=prev.round + 1, step=self._step,
-                                            since=self._round_end if self._round_end is not None else now, started=now))
+        last = self._rounds.last()
+        stats = last.stats() if last is not None else None
+        rnd = self._cur = _Round(StepRecord(round=prev.round + 1, step=self._step, since=self._rounds.since(now),
+                                            started=now))
         self._ff.new_round(rnd.rec.round, self._step)
         self._guard.new_round()
         # A step boundary: injected faults (`rallypoint inject`) happen here.
@@ -429,25 +424,20 @@ class Manager(GroupConnection):
                 self.report_error(e)
             finally:
                 self._ff.heal_busy = False
-        if rnd.apply_due:
-            self._apply_pending_state_dict(rnd)
+        if rnd.apply_due:  # a received state: applied here, on the training thread
+            pending, rnd.pending, rnd.apply_due = rnd.pending, None, False
+            try:
+                if pending is None:
+                    raise RuntimeError("healing was required but no state was received")
+                self._user_state.apply(pending, self.load_state_dict)
+                self._log.info("applied healed state: step %d", self._step)
+            except Exception as e:  # noqa: BLE001
+                self.report_error(e)
         if q is not None or rnd.rec.healing:
             dt = time.monotonic() - t0
             rnd.rec.heal_s += dt
             if rnd.rec.first_collective is None:
                 rnd.rec.heal_before_s += dt
-
-    def _apply_pending_state_dict(self, rnd: _Round) -> None:
-        pending, rnd.pending, rnd.apply_due = rnd.pending, None, False
-        if pending is None:
-            if self.errored() is None:
-                self.report_error(RuntimeError("healing was required but no state was received"))
-            return
-        try:
-            self._user_state.apply(pending, self.load_state_dict)
-            self._log.info("applied healed state: step %d", self._step)
-        except Exception as e:  # noqa: BLE001
-            self.report_error(e)
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
@@ -542,21 +532,16 @@ class Manager(GroupConnection):
         return decision
 
     def _close_round(self, rec: StepRecord, now: float, outcome: str) -> None:
-        done = [w.done_at for w in self._ff.works() if getattr(w, "done_at", None) is not None]
-        if done:
-            rec.last_collective_done = max(done)
-        rec.ended, rec.outcome = now, outcome
-        self._round_end = now
-        self._records.append(rec)
+        self._rounds.close(rec, now, outcome, self._ff.works())
 
     def step_record(self) -> StepRecord | None:
         """The record of the last finished round (None before the first): its quorum,
         participants, time split and outcome (see :mod:`rallypoint.manager._record`)."""
-        return self._records[-1] if self._records else None
+        return self._rounds.last()
 
     def step_records(self) -> list[StepRecord]:
         """The records of the last rounds (at most 256), oldest first."""
-        return list(self._records)
+        return self._rounds.all()
 
     # ------------------------------------------------------------------ queries
     def current_step(self) -> int:
