@@ -56,7 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _util  # noqa: E402
 from _util import Child, close_all, fmt_ratio, median, percentile, ratio, table  # noqa: E402
 
-VARIANTS = ("plain", "ours", "torchft")
+VARIANTS = ("plain", "ours", "ours_nolease", "torchft")
+#: Ours with quorum leases off at the lighthouse (every step asks it, as torchft's do).
+NOLEASE = "ours_nolease"
 TLS_VARIANT = "ours_tls"
 MODELS = ("tiny", "mlp")
 PHASES = ("quorum", "fwd_bwd", "allreduce", "commit", "opt")
@@ -122,7 +124,7 @@ def _worker(plan: dict[str, Any]) -> None:
             rank=0, world_size=1, lighthouse_addr=plan["lighthouse"], replica_id=f"replica{rank}",
             hostname="127.0.0.1", timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
         )
-        if variant in ("ours", TLS_VARIANT):
+        if variant in ("ours", NOLEASE, TLS_VARIANT):
             from rallypoint.manager.manager import Manager
             from rallypoint.process_groups import ProcessGroupGloo
 
@@ -232,11 +234,11 @@ class _Lighthouse:
     def __init__(self, variant: str, join_ms: int, hb_ms: int, tls: _util.TlsJob | None = None) -> None:
         self.server: Any = None
         self.scheme = "http"
-        if variant == "ours":
+        if variant in ("ours", NOLEASE):
             from rallypoint.lighthouse.server import LighthouseServer
 
             self.server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=join_ms,
-                                           heartbeat_timeout_ms=hb_ms)
+                                           heartbeat_timeout_ms=hb_ms, leases=variant == "ours")
         elif variant == TLS_VARIANT:
             from rallypoint.lighthouse.server import LighthouseServer
 
@@ -316,11 +318,17 @@ def run_variant(variant: str, plan: dict[str, Any], store_port: int, timeout_s: 
     try:
         if variant == TLS_VARIANT and checks is not None and "lighthouse_refuses" not in checks:
             checks["lighthouse_refuses"] = _check_tls_lighthouse(lh, tls)  # type: ignore[arg-type]
+        # The lighthouse runs in this process, which does nothing else meanwhile: its CPU
+        # from the workers' start to their results is the lighthouse's cost of the run
+        # (setup, warm-up and timed steps, heartbeats and liveness streams included).
+        cpu0 = time.process_time()
         for rank in range(2):
             wplan = dict(plan, variant=variant, rank=rank, store_port=store_port, lighthouse=lh.addr())
             children.append(Child([sys.executable, __file__, "--worker", json.dumps(wplan)],
                                   name=f"step-{variant}-{rank}", env=env, cwd=str(REPO)))
         results = [_recv_result(c, timeout_s) for c in children]
+        results[0]["lh_cpu_s"] = time.process_time() - cpu0 if lh.server is not None else None
+        results[0]["group_steps"] = 2 * (plan["warmup"] * len(MODELS) + sum(plan["steps"].values()))
         for c in children:
             c.send({"cmd": "exit"})
         for c in children:
@@ -346,6 +354,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         out[name] = {"median_ms": median(total), "p90_ms": percentile(total, 90), "steps": len(total),
                      "cpu_ms_per_step": cpu * 1e3, "phases_ms_rank0": phases}
     out["setup_s"] = max(r["setup_s"] for r in results)
+    lh_cpu = results[0].get("lh_cpu_s")
+    out["lighthouse_cpu_ms_per_step"] = None if lh_cpu is None else lh_cpu * 1e3 / max(1, results[0]["group_steps"])
     out["commit_fraction"] = sum(r["commits"] for r in results) / max(1, sum(r["steps"] for r in results))
     return out
 
@@ -362,6 +372,8 @@ def _pool(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             "cpu_s": {m: sum(r["cpu_s"][m] for r in rs) for m in MODELS},
             "commits": sum(r["commits"] for r in rs),
             "steps": sum(r["steps"] for r in rs),
+            **({"lh_cpu_s": None if any(r.get("lh_cpu_s") is None for r in rs) else sum(r["lh_cpu_s"] for r in rs),
+                "group_steps": sum(r["group_steps"] for r in rs)} if rank == 0 else {}),
         })
     return pooled
 
@@ -374,7 +386,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps and one round")
     ap.add_argument("--out", help="also write the JSON line to this file")
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help="comma-separated subset of plain,ours,torchft (and ours_tls, which implies --tls)")
+                    help="comma-separated subset of plain,ours,ours_nolease,torchft (and ours_tls, which implies --tls)")
     ap.add_argument("--tls", action="store_true",
                     help="also run ours_tls: ours with a job token and mutual TLS on every rallypoint socket")
     ap.add_argument("--rounds", type=int, help="variant sequences run (alternating order); default 2, quick 1")
@@ -435,7 +447,7 @@ def main() -> None:
         return res.get(v, {}).get(m, {}).get("median_ms")
 
     plain_tiny = med("plain", "tiny")
-    for v in ("ours", "torchft", TLS_VARIANT):
+    for v in ("ours", NOLEASE, "torchft", TLS_VARIANT):
         if v in res and plain_tiny is not None and med(v, "tiny") is not None:
             res[v]["fixed_ms"] = med(v, "tiny") - plain_tiny
     ratios = {
@@ -444,6 +456,11 @@ def main() -> None:
         "mlp_torchft_vs_plain": ratio(med("torchft", "mlp"), med("plain", "mlp")),
         "tiny_ours_vs_torchft": ratio(med("ours", "tiny"), med("torchft", "tiny")),
         "mlp_ours_vs_torchft": ratio(med("ours", "mlp"), med("torchft", "mlp")),
+        "fixed_ours_nolease_vs_torchft": ratio(res.get(NOLEASE, {}).get("fixed_ms"), res.get("torchft", {}).get("fixed_ms")),
+        "lighthouse_cpu_ours_vs_nolease": ratio(res.get("ours", {}).get("lighthouse_cpu_ms_per_step"),
+                                                res.get(NOLEASE, {}).get("lighthouse_cpu_ms_per_step")),
+        "lighthouse_cpu_ours_vs_torchft": ratio(res.get("ours", {}).get("lighthouse_cpu_ms_per_step"),
+                                                res.get("torchft", {}).get("lighthouse_cpu_ms_per_step")),
     }
     if use_tls:
         ratios["fixed_ours_tls_vs_ours"] = ratio(res.get(TLS_VARIANT, {}).get("fixed_ms"),
@@ -469,11 +486,17 @@ def main() -> None:
                  "steps"], rows))
     print()
     rows2 = []
-    for v in ("ours", "torchft", TLS_VARIANT):
+    for v in ("ours", NOLEASE, "torchft", TLS_VARIANT):
         if v in res:
             rows2.append([f"{v} fixed cost/step ms (tiny - plain tiny)", _f(res[v].get("fixed_ms"))])
+    for v in ("ours", NOLEASE, "torchft"):
+        if v in res and res[v].get("lighthouse_cpu_ms_per_step") is not None:
+            rows2.append([f"{v} lighthouse CPU ms per group-step", f"{res[v]['lighthouse_cpu_ms_per_step']:.4f}"])
     rows2 += [
         ["fixed ours / torchft (goal <= 0.33)", fmt_ratio(ratios["fixed_ours_vs_torchft"])],
+        ["fixed ours without leases / torchft", fmt_ratio(ratios["fixed_ours_nolease_vs_torchft"])],
+        ["lighthouse CPU/step ours / ours without leases (goal ~0)", fmt_ratio(ratios["lighthouse_cpu_ours_vs_nolease"])],
+        ["lighthouse CPU/step ours / torchft", fmt_ratio(ratios["lighthouse_cpu_ours_vs_torchft"])],
         ["MLP ours / plain (goal <= 1.15)", fmt_ratio(ratios["mlp_ours_vs_plain"])],
         ["MLP torchft / plain", fmt_ratio(ratios["mlp_torchft_vs_plain"])],
         ["tiny ours / torchft", fmt_ratio(ratios["tiny_ours_vs_torchft"])],

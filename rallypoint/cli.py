@@ -74,6 +74,9 @@ def _build_parser() -> argparse.ArgumentParser:
           help="slow steps within the window that make a straggler (5; at most --straggler-window)")
     _flag(lh, "straggler-cooldown-s", type=float, default=10.0,
           help="first eviction's cool-down, doubling on repeats up to 30 s (10)")
+    _flag(lh, "leases", choices=("on", "off"), default="on",
+          help="grant quorums as leases, so that replica groups start steps without asking until membership "
+               "must change (on; see rallypoint/lighthouse/LEASES.md); 'off': every step asks, as in torchft")
     lh.set_defaults(usage_parser=lh)  # option errors found after parsing print this command's usage
 
     st = sub.add_parser("status", help="print the lighthouse's quorum as a table")
@@ -166,6 +169,7 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
             forget_after_ms=args.forget_after_ms,
             tls=tls,
             stragglers=stragglers,
+            leases=args.leases == "on",
             # A restart from an in-memory state would hand out quorum ids again: refused then.
             on_restart=restart.set if args.state != ":memory:" else None,
         )

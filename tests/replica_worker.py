@@ -12,7 +12,8 @@ wall-clock limit). Options (a JSON object on the command line):
   allreduce was posted, while peers are in the collective), ``after_vote`` (should_commit
   said yes, the optimizer has not stepped), ``serving`` (while reading its state to send
   it to a healing peer) or ``receiving`` (a healed state arrived and was not
-  applied yet), both from step N on (default 0).
+  applied yet), both from step N on (default 0). ``local_error`` kills nothing: the
+  group reports an error after its collectives at step N, once, so it alone fails that step.
 - ``mode``: ``"fixed"`` for ``WorldSizeMode.FIXED_WITH_SPARES``; ``min_replica_size``.
 - ``transport``: ``"pg"`` heals over the cross-replica process group (``PGTransport``).
 - ``delay``: seconds between steps; ``async``: async quorum (default true).
@@ -166,6 +167,9 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
                     _die()
             for w in works:
                 w.wait()
+            if at("local_error") and not fault.get("done"):
+                fault["done"] = True  # once: this group alone fails the step; its peers commit it
+                m.report_error(RuntimeError("test: a local error after the step's collectives"))
             participants = m.num_participants()
             spare = not m.is_participating()
             if m.should_commit():

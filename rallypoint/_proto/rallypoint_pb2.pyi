@@ -8,12 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AttachHello(_message.Message):
-    __slots__ = ("replica_id", "address")
+    __slots__ = ("replica_id", "address", "leases", "lease_quorum_id")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    leases: bool
+    lease_quorum_id: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., leases: _Optional[bool] = ..., lease_quorum_id: _Optional[int] = ...) -> None: ...
 
 class AttachGoodbye(_message.Message):
     __slots__ = ("reason",)
@@ -25,15 +29,25 @@ class AttachPing(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class StepReport(_message.Message):
+    __slots__ = ("data", "step")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    data: str
+    step: int
+    def __init__(self, data: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
 class AttachRequest(_message.Message):
-    __slots__ = ("hello", "goodbye", "ping")
+    __slots__ = ("hello", "goodbye", "ping", "step_report")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     GOODBYE_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    STEP_REPORT_FIELD_NUMBER: _ClassVar[int]
     hello: AttachHello
     goodbye: AttachGoodbye
     ping: AttachPing
-    def __init__(self, hello: _Optional[_Union[AttachHello, _Mapping]] = ..., goodbye: _Optional[_Union[AttachGoodbye, _Mapping]] = ..., ping: _Optional[_Union[AttachPing, _Mapping]] = ...) -> None: ...
+    step_report: StepReport
+    def __init__(self, hello: _Optional[_Union[AttachHello, _Mapping]] = ..., goodbye: _Optional[_Union[AttachGoodbye, _Mapping]] = ..., ping: _Optional[_Union[AttachPing, _Mapping]] = ..., step_report: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
 
 class AttachWelcome(_message.Message):
     __slots__ = ("quorum_id", "heartbeat_timeout_ms", "last_quorum")
@@ -53,13 +67,33 @@ class PeerDown(_message.Message):
     reason: str
     def __init__(self, replica_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class LeaseGrant(_message.Message):
+    __slots__ = ("quorum_id",)
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    quorum_id: int
+    def __init__(self, quorum_id: _Optional[int] = ...) -> None: ...
+
+class LeaseRevoke(_message.Message):
+    __slots__ = ("quorum_id", "reason", "replica_id", "after_step")
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    quorum_id: int
+    reason: str
+    replica_id: str
+    after_step: int
+    def __init__(self, quorum_id: _Optional[int] = ..., reason: _Optional[str] = ..., replica_id: _Optional[str] = ..., after_step: _Optional[int] = ...) -> None: ...
+
 class AttachResponse(_message.Message):
-    __slots__ = ("welcome", "peer_down")
+    __slots__ = ("welcome", "peer_down", "lease_revoke")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PEER_DOWN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REVOKE_FIELD_NUMBER: _ClassVar[int]
     welcome: AttachWelcome
     peer_down: PeerDown
-    def __init__(self, welcome: _Optional[_Union[AttachWelcome, _Mapping]] = ..., peer_down: _Optional[_Union[PeerDown, _Mapping]] = ...) -> None: ...
+    lease_revoke: LeaseRevoke
+    def __init__(self, welcome: _Optional[_Union[AttachWelcome, _Mapping]] = ..., peer_down: _Optional[_Union[PeerDown, _Mapping]] = ..., lease_revoke: _Optional[_Union[LeaseRevoke, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

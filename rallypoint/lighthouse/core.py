@@ -25,6 +25,7 @@ from typing import Callable
 from rallypoint._net.ratelog import Throttle, left_out_note
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
+from rallypoint.lighthouse import leases as ls
 from rallypoint.lighthouse import quorum as q
 from rallypoint.lighthouse import stragglers as sg
 from rallypoint.lighthouse._ledger_store import GoodputBook
@@ -65,6 +66,7 @@ class _Attachment:
 
     replica_id: str
     address: str
+    leases: bool = False  # its hello said it takes quorum leases
     outbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(maxsize=OUTBOX_LIMIT))
     overflow: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -99,6 +101,7 @@ class LighthouseCore:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         stragglers: sg.Policy | None = None,
+        leases: bool = True,
     ) -> None:
         self.options = options
         self.store = store
@@ -132,6 +135,8 @@ class LighthouseCore:
         # Straggler scores and exclusions: memory only (see the module docstring).
         self.stragglers = sg.StragglerTracker(stragglers)
         self._sdc_seen: dict[tuple[int, str], None] = {}  # (step, check) of recorded sdc events
+        self.leases = ls.LeaseDesk(leases)  # quorum leases (leases.py, LEASES.md)
+        self._expected: dict[str, float] = {}  # members of a just-revoked lease -> waited for until
         self.injections = InjectionDesk()  # `rallypoint inject`: handed out with the next quorum answer
         # The goodput ledger (ledger.py): fed below, saved in the state file now and then.
         self.goodput = GoodputBook(None if store.path == MEMORY else store.path, wall=wall, clock=clock)
@@ -202,6 +207,15 @@ class LighthouseCore:
         rid = member.replica_id
         now = self._clock()
         self.metrics.quorum_request()
+        # A member asking ends the lease (it takes part in no later round of it); anyone
+        # else asking is a joiner, which the members' next round must ask to take in.
+        self.revoke_lease(ls.revoke_for_request(self.leases.lease, rid, member.step, member.commit_failures))
+        self._expected.pop(rid, None)
+        desk = self.leases
+        left = ls.left_notice(desk.revoked_lease, desk.left_sent, rid, member.step, member.commit_failures)
+        if left is not None and desk.revoked_lease is not None:
+            desk.left_sent = True
+            self._push(desk.revoked_lease.replica_ids, left)
         self._dead.pop(rid, None)
         self._alive(rid, now)
         old = self.pending.get(rid)
@@ -236,19 +250,55 @@ class LighthouseCore:
                 log.info("[%s] quorum request withdrawn (cancelled or disconnected)", rid)
                 self._schedule()
 
-    def attach(self, rid: str, address: str) -> _Attachment:
-        """A replica opened its liveness stream."""
+    def attach(self, rid: str, address: str, takes_leases: bool = False, held_lease: int = 0) -> _Attachment:
+        """A replica opened its liveness stream (holding lease ``held_lease``, 0: none)."""
         self._dead.pop(rid, None)
         old = self._attached.get(rid)
         if old is not None:
             log.info("[%s] replaced an older liveness stream", rid)
-        att = _Attachment(rid, address)
+        att = _Attachment(rid, address, takes_leases)
         self._attached[rid] = att
         if address:
             self._addresses[rid] = address
         self._alive(rid, self._clock())
         self._update_gauges()
+        if takes_leases:  # written after the welcome: revokes it missed, or a lease this lighthouse never granted
+            stale = ls.revoke_at_attach(self.leases.lease, rid, held_lease, self.quorum_id)
+            if stale is not None:
+                att.push(stale.to_pb().SerializeToString())
         return att
+
+    def revoke_lease(self, revoke: ls.Revoke | None) -> None:
+        """End the lease in force (when ``revoke`` names it) and push the revoke to every
+        member's stream, serialized once (a revoke of a large quorum is one write per
+        stream). A member whose stream is down hears of it when it re-attaches."""
+        done = self.leases.revoke(revoke)
+        if done is None:
+            return
+        lease_members = self.previous.replica_ids if self.previous is not None else ()
+        self._push(lease_members, done)
+        # Its members ask at the end of the round they are in: waited for past join_timeout.
+        until = self._clock() + self.options.heartbeat_timeout
+        self._expected = {rid: until for rid in lease_members if rid not in self.pending}
+        self.metrics.lease_revoked(done.why)
+        self.store.record_event("lease_revoked", done.replica_id or None, quorum_id=done.quorum_id, why=done.why,
+                                reason=done.reason)
+        log.info("lease of quorum %d revoked: %s", done.quorum_id, done.reason)
+
+    def _push(self, replica_ids: tuple[str, ...], revoke: ls.Revoke) -> None:
+        raw = revoke.to_pb().SerializeToString()
+        for rid in replica_ids:
+            att = self._attached.get(rid)
+            if att is not None:
+                att.push(raw)
+
+    def step_report(self, rid: str, step: int, data: str) -> None:
+        """A round a replica group started on a lease: its step stats, as a Quorum
+        request would have carried them (``data`` passed ``validate.data``)."""
+        now = self._clock()
+        self.metrics.step_report()
+        self._steps[rid] = step
+        self._score(q.Member(rid, step=step, data=data), now)
 
     def detach(self, att: _Attachment, *, clean: bool, reason: str) -> None:
         """The liveness stream ended: with a goodbye (``clean``) or by breaking."""
@@ -262,6 +312,8 @@ class LighthouseCore:
 
     def declare_dead(self, rid: str, kind: str, reason: str) -> None:
         """Forget a replica now: no waiting for its heartbeat to expire."""
+        if self.leases.holds(rid):  # the revoke goes out before the PeerDown below
+            self.revoke_lease(ls.Revoke(self.leases.holds(rid), "member_gone", f"member {rid} is gone ({kind})"))
         self._dead[rid] = self._clock()
         self.heartbeats.pop(rid, None)
         self._healthy_seen.discard(rid)
@@ -332,6 +384,8 @@ class LighthouseCore:
             if ev.until is not None:
                 detail["until"] = round(self._to_wall(ev.until, now), 3)
             self.store.record_event(ev.kind, ev.group, **detail)
+            if ev.kind == sg.EVICTED and self.leases.holds(ev.group):
+                self.revoke_lease(ls.Revoke(self.leases.holds(ev.group), "evicted", f"member {ev.group} was evicted"))
             if ev.kind in (sg.EVICTED, sg.READMITTED):
                 (self.goodput.evicted if ev.kind == sg.EVICTED else self.goodput.readmitted)(ev.group)
             if ev.kind == sg.EVICTED:
@@ -369,7 +423,8 @@ class LighthouseCore:
         if readmitted:
             self._straggler_events(readmitted, now)
         excluded = self.stragglers.excluded(now)
-        view = q.View(self.heartbeats, self.pending, self.previous, self.quorum_id, excluded)
+        view = q.View(self.heartbeats, self.pending, self.previous, self.quorum_id, excluded, self.leases.fresh_id,
+                      self._expected)
         decision = q.decide(now, view, self.options)
         self.metrics.decision(decision.rule.value)
         prev = self.last_decision
@@ -395,6 +450,14 @@ class LighthouseCore:
         changed = quorum.quorum_id != self.quorum_id or self.previous is None
         self.quorum_id = quorum.quorum_id
         self.previous = quorum
+        self._expected = {}
+        refused = self.leases.grant(quorum, {r: a.leases for r, a in self._attached.items()})
+        if refused is None:
+            self.metrics.lease_granted()
+            if changed:
+                log.info("quorum %d granted as a lease", quorum.quorum_id)
+        elif changed:
+            log.debug("quorum %d not leased: %s", quorum.quorum_id, refused)
         payload = pb.LighthouseQuorumResponse(quorum=quorum_to_pb(quorum)).SerializeToString()
         waiters: list[asyncio.Future] = []
         for m in quorum.members:
@@ -479,6 +542,8 @@ class LighthouseCore:
             self._healthy_seen.discard(rid)
             self.metrics.replica_down("heartbeat_expired")
             self.store.record_event("leave", rid, reason="heartbeat expired")
+            if self.leases.holds(rid):
+                self.revoke_lease(ls.Revoke(self.leases.holds(rid), "member_gone", f"member {rid}'s heartbeat expired"))
             self.goodput.down(rid, clean=False)
             log.warning("[%s] heartbeat expired (%.1fs timeout)", rid, self.options.heartbeat_timeout)
         for rid in q.forgettable(now, self.heartbeats, self.pending, self._forget_after):
@@ -529,58 +594,7 @@ class LighthouseCore:
         return rpb.AttachResponse(welcome=w)
 
     def status(self) -> dict:
-        now = self._clock()
-        prev = self.previous
-        ids = set(self.heartbeats) | set(self.pending) | set(self._attached) | set(self._dead)
-        if prev is not None:
-            ids.update(prev.replica_ids)
-        replicas = []
-        for rid in sorted(ids):
-            last = self.heartbeats.get(rid)
-            replicas.append(
-                {
-                    "replica_id": rid,
-                    "heartbeat_age_s": None if last is None else round(now - last, 3),
-                    "participating": rid in self.pending,
-                    "attached": rid in self._attached,
-                    "dead": rid in self._dead,
-                    "step": self._steps.get(rid),
-                    "address": self._addresses.get(rid, ""),
-                    "straggler": self._straggler_status(rid, now),
-                }
-            )
-        d = self.last_decision
-        return {
-            "quorum_id": self.quorum_id,
-            "quorum": None
-            if prev is None
-            else {
-                "quorum_id": prev.quorum_id,
-                "created": prev.created,
-                "members": [m.__dict__.copy() for m in prev.members],
-            },
-            "replicas": replicas,
-            "last_decision": None
-            if d is None
-            else {"rule": d.rule.value, "reason": d.reason, "time": self.last_decision_time},
-            "options": {
-                "min_replicas": self.options.min_replicas,
-                "join_timeout_ms": int(self.options.join_timeout * 1000),
-                "heartbeat_timeout_ms": int(self.options.heartbeat_timeout * 1000),
-            },
-            "stragglers": {
-                **self.stragglers.policy.as_dict(),
-                "flagged": self.stragglers.flagged(),
-                "excluded": sorted(self.stragglers.excluded(now)),
-                "evictions_total": self.stragglers.evictions,
-            },
-            "goodput": self.goodput.summary(),  # without its time series (GET /goodput has that)
-        }
+        """The ``GET /status`` document (:func:`rallypoint.lighthouse._status.core_status`)."""
+        from rallypoint.lighthouse._status import core_status
 
-    def _straggler_status(self, rid: str, now: float) -> dict:
-        """A replica's straggler score for /status, with ``excluded_until`` in wall-clock
-        seconds (or None)."""
-        snap = self.stragglers.snapshot(rid)
-        until = snap["excluded_until"]
-        snap["excluded_until"] = None if until is None or until <= now else round(self._to_wall(until, now), 3)
-        return snap
+        return core_status(self)

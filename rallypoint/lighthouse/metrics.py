@@ -218,6 +218,15 @@ class LighthouseMetrics:
             self._replica_down.labels(reason=reason)
         for reason in KNOWN_REJECT_REASONS:
             self._rejected.labels(reason=reason)
+        self._lease_grants = Counter(
+            "rallypoint_lease_grants_total",
+            "Quorums granted as leases (their members start later steps without asking).", registry=r)
+        self._lease_revokes = Counter(
+            "rallypoint_lease_revokes_total", "Leases revoked, by why (joiner, member_asked, member_gone, ...).",
+            ["why"], registry=r)
+        self._step_reports = Counter(
+            "rallypoint_step_reports_total",
+            "Step statistics of rounds started on a lease, received on the liveness streams.", registry=r)
 
     def set_quorum(self, quorum_id: int, members: int) -> None:
         """Record the quorum just formed (or restored from the state file)."""
@@ -267,6 +276,15 @@ class LighthouseMetrics:
     def run_event(self, kind: str) -> None:
         """Count one supervisor event recorded (``restart``, ``gave_up``, ...)."""
         self._run_events.labels(kind=kind).inc()
+
+    def lease_granted(self) -> None:
+        self._lease_grants.inc()
+
+    def lease_revoked(self, why: str) -> None:
+        self._lease_revokes.labels(why=why).inc()
+
+    def step_report(self) -> None:
+        self._step_reports.inc()
 
     def straggler_evicted(self) -> None:
         """Count one straggler eviction."""

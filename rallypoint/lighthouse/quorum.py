@@ -17,9 +17,11 @@ The rules (DESIGN.md, "The lighthouse"):
 3. Otherwise no quorum while participants < ``min_replicas``, or while participants are
    not more than half of the healthy replicas (no split brain).
 4. Otherwise wait for healthy replicas that have not asked yet, until ``join_timeout``
-   after the first participant asked; then form.
+   after the first participant asked (members of a just-revoked lease: until
+   ``View.expected`` says, if later); then form.
 5. Members are sorted by replica_id; ``quorum_id`` increases when the member list
-   changes or a member reports ``commit_failures > 0``.
+   changes or a member reports ``commit_failures > 0``, and after a lease was revoked
+   (``View.fresh_id``; ``leases.py``).
 
 Exclusion (``View.excluded``, set by the straggler policy ``--stragglers evict``,
 :mod:`rallypoint.lighthouse.stragglers`): until its cool-down ends, an excluded replica
@@ -111,6 +113,12 @@ class View:
     previous: Quorum | None = None
     quorum_id: int = 0
     excluded: Mapping[str, float] = field(default_factory=dict)
+    #: A lease was revoked since the last quorum: the next one gets a new id (leases.py).
+    fresh_id: bool = False
+    #: Members of a just-revoked lease that have not asked yet -> monotonic time until which
+    #: they are waited for even past join_timeout: they are finishing a round on the lease
+    #: and ask at its end (leases.py; LEASES.md, "A joiner arrives").
+    expected: Mapping[str, float] = field(default_factory=dict)
 
 
 class Rule(str, enum.Enum):
@@ -158,9 +166,10 @@ def healthy_replicas(now: float, view: View, options: Options) -> set[str]:
     return healthy
 
 
-def next_quorum_id(previous: Quorum | None, quorum_id: int, members: tuple[Member, ...]) -> int:
-    """Rule 5: a new id when membership changed or anyone reports commit failures."""
-    if previous is None or previous.replica_ids != tuple(m.replica_id for m in members):
+def next_quorum_id(previous: Quorum | None, quorum_id: int, members: tuple[Member, ...], fresh: bool = False) -> int:
+    """Rule 5: a new id when membership changed or anyone reports commit failures, and
+    (``fresh``) after a lease was revoked."""
+    if fresh or previous is None or previous.replica_ids != tuple(m.replica_id for m in members):
         return quorum_id + 1
     if any(m.commit_failures > 0 for m in members):
         return quorum_id + 1
@@ -242,7 +251,7 @@ def decide(now: float, view: View, options: Options) -> Decision:
 
     def formed(rule: Rule, why: str) -> Decision:
         members = tuple(pending[rid].member for rid in candidates)
-        qid = next_quorum_id(previous, view.quorum_id, members)
+        qid = next_quorum_id(previous, view.quorum_id, members, view.fresh_id)
         change = "same members" if qid == view.quorum_id else f"quorum_id {view.quorum_id} -> {qid}"
         return Decision(rule, f"{why}; {change} {tag}", members=members, quorum_id=qid, next_check=readmit_check)
 
@@ -279,6 +288,9 @@ def decide(now: float, view: View, options: Options) -> Decision:
     if stragglers:
         first_joined = min(pending[rid].joined for rid in candidates)
         deadline = first_joined + options.join_timeout
+        due = [view.expected[rid] for rid in stragglers if rid in view.expected]
+        if due:
+            deadline = max(deadline, max(due))
         if now < deadline:
             shown = ", ".join(stragglers[:5]) + (" ..." if len(stragglers) > 5 else "")
             return Decision(

@@ -22,12 +22,14 @@ import grpc
 from rallypoint._net import __version__
 from rallypoint._net.auth import TokenInterceptor, job_token
 from rallypoint._net.inject import INJECT_KEY, Injection, encode_injections
+from rallypoint._net.lease import LEASE_KEY, encode_grant
 from rallypoint._net.limits import MAX_REASON_BYTES, clip
 from rallypoint._net.rpc import channel_options, server_options, unary_handler
 from rallypoint._net.tls import TlsConfig, add_port, aio_channel, check_server, tls_config
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net import addr as addrs
+from rallypoint.lighthouse import leases as ls
 from rallypoint.lighthouse import reports, validate
 from rallypoint.lighthouse.core import OUTBOX_LIMIT, LighthouseCore, ReplicaDead, _Attachment
 from rallypoint.lighthouse.injections import LIGHTHOUSE_KINDS, UnknownReplica, check_request, resolve
@@ -121,9 +123,15 @@ class _Service:
         except ReplicaDead as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             raise AssertionError("unreachable")
+        trailing = []
         injections = self.core.injections.take(member.replica_id)
         if injections:  # `rallypoint inject`: carried out by the group at its next step boundary
-            context.set_trailing_metadata(((INJECT_KEY, encode_injections(injections)),))
+            trailing.append((INJECT_KEY, encode_injections(injections)))
+        leased = self.core.leases.holds(member.replica_id)
+        if leased:  # the quorum just answered is leased (LEASES.md); nothing revoked it since
+            trailing.append((LEASE_KEY, encode_grant(leased)))
+        if trailing:
+            context.set_trailing_metadata(tuple(trailing))
         return answer
 
     async def inject(self, request: rpb.InjectRequest, context: grpc.aio.ServicerContext) -> rpb.InjectResponse:
@@ -175,7 +183,7 @@ class _Service:
         except validate.InvalidRequest as e:
             await self._invalid(context, e)
             return
-        att = self.core.attach(rid, first.hello.address)
+        att = self.core.attach(rid, first.hello.address, first.hello.leases, max(0, first.hello.lease_quorum_id))
         log.info("[%s] liveness stream attached from %s", rid, context.peer())
         clean, reason = False, "connection lost"
         invalid: validate.InvalidRequest | None = None
@@ -229,6 +237,12 @@ class _Service:
                 # Forwarded to every other replica as a PeerDown: bounded first.
                 return True, clip(msg.goodbye.reason, MAX_REASON_BYTES) or "goodbye"
             self.core.heartbeat(att.replica_id)
+            if msg.HasField("step_report"):  # a round started on a lease: checked like a Quorum's data
+                report = msg.step_report
+                if report.step < 0:
+                    raise validate.InvalidRequest(f"step_report.step must be >= 0, got {report.step}")
+                # Size first; the content is parsed once, by the scorer (malformed: unscored, as a Quorum's step stats).
+                self.core.step_report(att.replica_id, report.step, validate.data_size(report.data, "step_report.data"))
 
 
 def _attach_request(raw: bytes) -> rpb.AttachRequest:
@@ -289,6 +303,8 @@ class _View:
             return ""
         rid = resolve(name, set(self.core.heartbeats) | set(self.core.pending))
         self.core.injections.add(rid, inj)
+        if self.core.leases.holds(rid):  # handed out with a quorum answer: the group's next round must ask
+            self.core.revoke_lease(ls.Revoke(self.core.leases.holds(rid), "injection", f"injection {inj.id} for {rid}"))
         self.core.store.record_event("inject", rid, injection=inj.id, injected=inj.kind,
                                      **{k: v for k, v in inj.to_json().items() if k not in ("id", "kind")})
         log.warning("[%s] injection %s (%s) handed to the group with its next quorum", rid, inj.id, inj.kind)
@@ -314,6 +330,8 @@ class _View:
         if not address:
             raise KeyError(replica_id)
         self.core.store.record_event("kill", replica_id, reason=reason, address=address)
+        if self.core.leases.holds(replica_id):
+            self.core.revoke_lease(ls.Revoke(self.core.leases.holds(replica_id), "kill", f"operator kill of {replica_id}"))
         log.warning("[%s] forwarding Kill to its manager at %s: %s", replica_id, address, reason)
         metadata = [("authorization", f"Bearer {self._token}")] if self._token else None
         async with aio_channel(addrs.grpc_target(address), address, self._tls, channel_options()) as channel:
@@ -356,6 +374,7 @@ class LighthouseServer:
         tls: TlsConfig | None = None,
         stragglers: StragglerPolicy | None = None,
         on_restart: Callable[[], None] | None = None,
+        leases: bool = True,
     ) -> None:
         self._options = Options(
             min_replicas=min_replicas,
@@ -376,6 +395,7 @@ class LighthouseServer:
         # Called (on the loop thread) for a `lighthouse-restart` injection; None: this
         # lighthouse cannot restart itself (embedded in a process), and refuses it.
         self._on_restart = on_restart
+        self._leases = leases  # grant quorum leases (LEASES.md); False: every round asks, as in torchft
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -423,7 +443,7 @@ class LighthouseServer:
         try:
             core = LighthouseCore(
                 self._options, store, metrics, quorum_tick=self._tick, forget_after=self._forget_after,
-                stragglers=self._stragglers,
+                stragglers=self._stragglers, leases=self._leases,
             )
             self.core = core
             interceptors = [TokenInterceptor(self._token, lambda _m, _w: metrics.rejected("unauthenticated"))] if self._token else []
@@ -445,7 +465,7 @@ class LighthouseServer:
                 self._http_address = http.address()
             log.info(
                 "lighthouse %s listening on %s (gRPC%s)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs "
-                "state=%s stragglers=%s",
+                "state=%s stragglers=%s leases=%s",
                 __version__,
                 self.address(),
                 ", TLS" + (" with client certificates" if self._tls.mutual else "") if self._tls.serving else "",
@@ -455,6 +475,7 @@ class LighthouseServer:
                 self._options.heartbeat_timeout,
                 store.path,
                 self._stragglers.describe(),
+                "on" if self._leases else "off",
             )
             self._ready.set()
             await self._stop.wait()

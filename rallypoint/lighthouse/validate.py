@@ -59,13 +59,19 @@ def reason(value: str, field: str = "reason") -> str:
     return value
 
 
+def data_size(value: str, field: str) -> str:
+    """``value`` is at most 64 KiB (its content is checked by whoever reads it)."""
+    size = utf8_len(value)
+    if size > MAX_DATA_BYTES:
+        raise InvalidRequest(f"{field} is {size} bytes; the limit is {MAX_DATA_BYTES} (64 KiB)")
+    return value
+
+
 def data(value: str, field: str = "requester.data") -> str:
     """``data`` is empty or a JSON document of at most 64 KiB."""
     if not value:
         return value
-    size = utf8_len(value)
-    if size > MAX_DATA_BYTES:
-        raise InvalidRequest(f"{field} is {size} bytes; the limit is {MAX_DATA_BYTES} (64 KiB)")
+    data_size(value, field)
     try:
         json.loads(value)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply

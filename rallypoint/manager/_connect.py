@@ -15,6 +15,7 @@ from typing import Any, Callable
 from torch.distributed import DistNetworkError, DistStoreError, PrefixStore
 
 from rallypoint.manager._config import env as _env
+from rallypoint.manager._failfast import FailFast
 from rallypoint.manager._peer_relay import PeerDownRelay
 from rallypoint.manager._store import open_store as _open_store, plan_store as _plan_store, store_prefix as _store_prefix
 from rallypoint.manager.client import ManagerClient
@@ -40,7 +41,8 @@ class GroupConnection:
     _store: PrefixStore
     _store_host: str
     _store_port: int
-    _on_peer_down: Callable[[str, str], None]  # what a peer's death does here (FailFast decides)
+    _ff: FailFast
+
 
     def _connect(
         self,
@@ -80,6 +82,7 @@ class GroupConnection:
                 connect_timeout=self._connect_timeout,
                 quorum_retries=quorum_retries,
                 on_peer_down=self._on_peer_down,
+                on_lease_left=self._on_lease_left,
             )
             self._store.set(MANAGER_ADDR_KEY, self._server.address())
             self._store.set(REPLICA_ID_KEY, rid)
@@ -101,10 +104,23 @@ class GroupConnection:
             self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
         if self._group_world_size > 1:
             self._relay = PeerDownRelay(self._store_host, self._store_port, self._group_rank, self._on_peer_down,
-                                        self._connect_timeout, prefix=prefix)
+                                        self._connect_timeout, prefix=prefix, on_lease_left=self._on_lease_left)
             if not is_master:
                 self._relay.start()
         self._log.info("manager ready: server %s, store %s:%d", addr, self._store_host, self._store_port)
+
+    def _on_peer_down(self, replica_id: str, reason: str) -> None:
+        """The lighthouse says ``replica_id`` died (rank 0's liveness stream, or the relay):
+        tell the group's other ranks (rank 0), then let FailFast abort what blocks on it."""
+        if self._group_rank == 0 and self._relay is not None:
+            self._relay.publish(replica_id, reason)
+        self._ff.peer_down(replica_id, reason)
+
+    def _on_lease_left(self, replica_id: str, reason: str, quorum_id: int, after_step: int) -> None:
+        """A member left the lease of ``quorum_id`` after ``after_step`` (rank 0's stream, or the relay)."""
+        if self._group_rank == 0 and self._relay is not None:
+            self._relay.publish(replica_id, reason, lease=(quorum_id, after_step))
+        self._ff.left_lease(replica_id, reason, quorum_id, after_step)
 
 
 __all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "GroupConnection"]

@@ -62,6 +62,9 @@ class FailFast:
         self.heal_busy = False  # a heal is being served or fetched on the training thread
         self._works: list[Any] = []
         self._lost_peer: tuple[int, Exception] | None = None  # (round, why): a quorum member died
+        # (quorum_id, replica_id, after_step, why): that member takes part in no round of that
+        # quorum past after_step (it left a lease, or died while a round was being answered).
+        self._left: tuple[int, str, int, Exception] | None = None
 
     # ------------------------------------------------------------------ round facts
     def new_round(self, rnd: int, step: int) -> None:
@@ -93,7 +96,10 @@ class FailFast:
         work = None
         with self._lock:
             lost = self._lost_peer
-            if lost is not None and lost[0] == self._round:
+            left = self._left_error()
+            if left is not None:
+                err = left  # a member left this round's lease: this collective cannot finish
+            elif lost is not None and lost[0] == self._round:
                 err = lost[1]  # a quorum member is gone: this collective cannot finish
             else:
                 try:
@@ -134,6 +140,10 @@ class FailFast:
         with self._lock:
             if self._setup_busy and not self._arrived:
                 # This step's quorum is still being formed: the lighthouse leaves the dead peer out.
+                # A quorum answered from a lease just before its revoke still has it: then
+                # this round's collectives (same quorum id) fail at once instead of hanging.
+                self._left = (self.quorum_id, replica_id, -1,
+                              ConnectionError(f"peer replica {replica_id} went down ({reason})"))
                 self.log.info("peer %s is down (%s) while a quorum forms; not aborting", replica_id, reason)
                 return
             if replica_id not in self._members or replica_id == self.replica_id:
@@ -158,6 +168,34 @@ class FailFast:
         else:
             self.log.info("%s after this step's collectives finished; a later collective of quorum %d fails fast",
                           err, quorum_id)
+
+    def _left_error(self) -> Exception | None:
+        """The error of a member that left this round's lease (see :meth:`left_lease`), or
+        None. Called with the lock held."""
+        left = self._left
+        if left is None or not self._arrived:
+            return None
+        quorum_id, replica_id, after_step, err = left
+        if quorum_id != self.quorum_id or self._step <= after_step or replica_id not in self._members:
+            return None
+        return err
+
+    def left_lease(self, replica_id: str, reason: str, quorum_id: int, after_step: int) -> None:
+        """The lighthouse says ``replica_id`` takes part in no round of the lease of
+        ``quorum_id`` past step ``after_step`` (it asked for a quorum itself). A round of
+        that lease past that step can never finish its collectives: one in flight is
+        aborted, one not yet posted fails when it is (whichever order the notice and the
+        round's quorum arrive in)."""
+        err = ConnectionError(f"peer replica {replica_id} left the lease of quorum {quorum_id} after step "
+                              f"{after_step} ({reason})")
+        with self._lock:
+            self._left = (quorum_id, replica_id, after_step, err)
+            now = self._left_error()
+            busy = now is not None and any(not w.finished() for w in self._works)
+        if busy:
+            self.abort(err, "peer_down")
+        elif now is not None:
+            self.log.info("%s; this round's collectives fail when posted", err)
 
     def abort(self, e: Exception, cause: str | None = None) -> None:
         """Record ``e`` and abort the process group once per quorum, so that every

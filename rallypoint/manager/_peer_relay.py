@@ -40,12 +40,14 @@ class PeerDownRelay:
         on_peer_down: Callable[[str, str], None],
         connect_timeout: timedelta,
         prefix: str = "",
+        on_lease_left: Callable[[str, str, int, int], None] | None = None,
     ) -> None:
         self._group_rank = group_rank
         # Keys live under the incarnation's prefix, so a restarted group never reads a
         # notice (or wake-up) of its previous incarnation in a store that outlived it.
         self._key = f"{prefix}/peer_down" if prefix else _PREFIX
         self._on_peer_down = on_peer_down
+        self._on_lease_left = on_lease_left
         # Connections of their own: a TCPStore client serializes its calls, so the
         # listener's long wait must not hold up anyone else's (its own wake-up included).
         self._store = TCPStore(host, port, is_master=False, timeout=connect_timeout)
@@ -54,11 +56,12 @@ class PeerDownRelay:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def publish(self, replica_id: str, reason: str) -> None:
-        """Append a notice for every listening rank (rank 0, on the liveness thread). A
-        failure is logged, never raised: the notice's own abort must still happen."""
+    def publish(self, replica_id: str, reason: str, lease: tuple[int, int] | None = None) -> None:
+        """Append a notice for every listening rank (rank 0, on the liveness thread); with
+        ``lease`` (quorum_id, after_step), that the member left that lease. A failure is
+        logged, never raised: the notice's own abort must still happen."""
         try:
-            self._append({"replica_id": replica_id, "reason": reason})
+            self._append({"replica_id": replica_id, "reason": reason, **({"lease": list(lease)} if lease else {})})
         except Exception as e:  # noqa: BLE001
             log.warning("could not relay the loss of %s to the other group ranks: %s", replica_id, e)
 
@@ -93,6 +96,12 @@ class PeerDownRelay:
                 return
             if "replica_id" in entry:
                 try:
+                    lease = entry.get("lease")
+                    if lease is not None:
+                        if self._on_lease_left is not None:
+                            self._on_lease_left(str(entry["replica_id"]), str(entry.get("reason", "")),
+                                                int(lease[0]), int(lease[1]))
+                        continue
                     self._on_peer_down(str(entry["replica_id"]), str(entry.get("reason", "")))
                 except Exception:  # noqa: BLE001 - a handler bug must not end the relay
                     log.exception("group rank %d: peer-down handler failed", self._group_rank)

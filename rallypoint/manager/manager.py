@@ -246,13 +246,6 @@ class Manager(GroupConnection):
     def _note_error(self, e: Exception, cause: str | None) -> None:
         self._cur.rec.error, self._cur.rec.cause = f"{type(e).__name__}: {e}", cause or cause_of(e)
 
-    def _on_peer_down(self, replica_id: str, reason: str) -> None:
-        """The lighthouse says ``replica_id`` died (rank 0's liveness stream, or the relay):
-        tell the group's other ranks (rank 0), then let FailFast abort what blocks on it."""
-        if self._group_rank == 0 and self._relay is not None:
-            self._relay.publish(replica_id, reason)
-        self._ff.peer_down(replica_id, reason)
-
     # ------------------------------------------------------------------ quorum
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
         """Begin this step's quorum (on a background thread unless ``use_async_quorum``

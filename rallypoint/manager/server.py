@@ -18,7 +18,10 @@ group rank 0 in a background thread with its own asyncio loop.
 * ``Kill(msg)``: logs the reason and ends the process (``on_kill`` replaces that).
 
 It also heartbeats the lighthouse every ``heartbeat_interval`` and holds rallypoint's
-liveness stream (a goodbye on :meth:`shutdown`, so a clean stop is not a crash).
+liveness stream (a goodbye on :meth:`shutdown`, so a clean stop is not a crash). When the
+lighthouse grants a quorum as a lease, later rounds are answered from it without asking
+(:mod:`rallypoint.manager._lease`, ``rallypoint/lighthouse/LEASES.md``); their step stats
+go to the lighthouse on the stream instead.
 The decisions themselves are pure functions in :mod:`rallypoint.manager.rules`.
 """
 
@@ -51,6 +54,10 @@ from rallypoint.manager.client import stripe_metadata
 from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
 from rallypoint.manager import rules
 from rallypoint._net.inject import INJECT_KEY, parse_injections
+from rallypoint._net.lease import parse_grant
+from rallypoint._proto import rallypoint_pb2 as rpb
+from rallypoint.manager._lease import LeaseHolder
+from rallypoint.manager._inprocess import InProcessCalls, _Failure
 from rallypoint.manager._votes import RANK_KEY_HEADER, CommitVotes, claim_rank, new_future, new_rank_key
 
 log = logging.getLogger("rallypoint.manager")
@@ -88,15 +95,7 @@ class _QuorumRound:
     result: asyncio.Future = field(default_factory=new_future)
     fired: bool = False
     inject: bytes = b""  # checked fault injections the lighthouse handed the group with its answer
-
-
-class _Failure(Exception):
-    """A lighthouse failure to fan out to every waiting rank as one gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+    grant: int | None = None  # the quorum_id the lighthouse granted as a lease with its answer
 
 
 def _default_kill(msg: str) -> None:
@@ -109,7 +108,7 @@ def _default_kill(msg: str) -> None:
     threading.Timer(0.2, os._exit, args=(1,)).start()
 
 
-class ManagerServer:
+class ManagerServer(InProcessCalls):
     """torchft's ``ManagerServer(replica_id, lighthouse_addr, hostname, bind, store_addr,
     world_size, heartbeat_interval, connect_timeout, quorum_retries)`` plus ours.
 
@@ -142,6 +141,8 @@ class ManagerServer:
         liveness: bool = True,
         startup_timeout: float = 30.0,
         tls: TlsConfig | None = None,
+        leases: bool | None = None,
+        on_lease_left: Callable[[str, str, int, int], None] | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size} (replica {replica_id})")
@@ -161,6 +162,10 @@ class ManagerServer:
         check_server(self._tls, f"the manager server of replica {replica_id}", bind_host, self._token, is_loopback(bind_host))
         self._on_kill = on_kill or _default_kill
         self._on_peer_down = on_peer_down
+        # Quorum leases: on unless turned off here or by RALLYPOINT_LEASES=0; they need the stream.
+        self._leasing = liveness and (leases if leases is not None else os.environ.get("RALLYPOINT_LEASES", "1") != "0")
+        self._lease = LeaseHolder()
+        self._on_lease_left = on_lease_left
 
         # Loop-thread state.
         self._rounds: dict[int, _QuorumRound] = {}
@@ -203,6 +208,8 @@ class ManagerServer:
                     tls=self._tls,
                     ping_interval=max(self._heartbeat_interval, 0.05),
                     on_peer_down=self._peer_down,
+                    held_lease=self._lease.held if self._leasing else None,
+                    on_lease_revoke=self._lease_revoked,
                 )
                 self._liveness.start(timeout=min(self._connect_timeout, 5.0))
         except BaseException:
@@ -265,6 +272,36 @@ class ManagerServer:
         log.warning("[%s] lighthouse reports replica %s down: %s", self.replica_id, replica_id, reason)
         if self._on_peer_down is not None:
             self._on_peer_down(replica_id, reason)
+
+    def _lease_revoked(self, msg: rpb.LeaseRevoke) -> None:
+        """The lighthouse revoked leases up to ``msg.quorum_id`` (liveness thread). When a
+        member left the lease, rounds of it past ``msg.after_step`` fail now (FailFast)."""
+        if self._lease.revoke(msg.quorum_id):
+            log.info("[%s] lease of quorum %d revoked: %s", self.replica_id, msg.quorum_id, msg.reason)
+        if msg.replica_id and msg.replica_id != self.replica_id and self._on_lease_left is not None:
+            self._on_lease_left(msg.replica_id, msg.reason, msg.quorum_id, msg.after_step)
+
+    def _from_lease(self, rnd: _QuorumRound) -> bool:
+        """Answer ``rnd`` from the lease when the rule allows (``_lease.lease_refusal``); its
+        step stats go on the liveness stream. False: the round asks the lighthouse."""
+        if not self._leasing:
+            return False
+        held = self._lease.held()
+        commit_failures = max(r.commit_failures for r in rnd.requests.values())
+        quorum, why = self._lease.take(rnd.step, commit_failures, any(r.shrink_only for r in rnd.requests.values()))
+        if quorum is None:
+            if held:
+                log.info("[%s] step %d asks the lighthouse instead of using lease %d: %s", self.replica_id, rnd.step,
+                         held, why)
+            return False
+        log.debug("[%s] step %d starts on lease %d", self.replica_id, rnd.step, quorum.quorum_id)
+        rnd.result.set_result(quorum)
+        if self._liveness is not None:
+            group = rules.aggregate_requests(rnd.step, self.world_size, [
+                rules.RankRequest(g, r.shrink_only, r.commit_failures, r.init_sync, rnd.stats.get(g))
+                for g, r in rnd.requests.items()], rnd.first_at, time.monotonic())
+            self._liveness.report(rnd.step, json.dumps(group.data))
+        return True
 
     # ------------------------------------------------------------------ gRPC
     def _handlers(self) -> grpc.GenericRpcHandler:
@@ -342,11 +379,12 @@ class ManagerServer:
         if len(rnd.requests) == self.world_size and not rnd.fired:
             rnd.fired = True
             del self._rounds[req.step]
-            self._inflight.add(rnd)
-            task = asyncio.ensure_future(self._ask_lighthouse(rnd))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            task.add_done_callback(functools.partial(_discard, self._inflight, rnd))
+            if not self._from_lease(rnd):
+                self._inflight.add(rnd)
+                task = asyncio.ensure_future(self._ask_lighthouse(rnd))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(functools.partial(_discard, self._inflight, rnd))
         try:
             quorum: Quorum = await asyncio.shield(rnd.result)
         except asyncio.CancelledError:
@@ -372,7 +410,8 @@ class ManagerServer:
 
     def _injections(self, rnd: _QuorumRound, trailing: Any) -> None:
         """Fault injections the lighthouse handed this group with its answer: checked, then
-        passed to every rank with its result (``rallypoint inject``)."""
+        passed to every rank with its result (``rallypoint inject``); and its lease grant."""
+        rnd.grant = parse_grant(trailing)
         raw = next((v for k, v in trailing or () if k == INJECT_KEY), b"")
         try:
             if parse_injections(raw):
@@ -415,6 +454,9 @@ class ManagerServer:
             self._fan_out_failure(rnd, error)
             return
         log.info("[%s] quorum %d formed with %d members", self.replica_id, quorum.quorum_id, len(quorum.members))
+        if self._leasing and rnd.grant == quorum.quorum_id and self._lease.grant(quorum):
+            log.info("[%s] quorum %d is leased: later steps start without asking the lighthouse", self.replica_id,
+                     quorum.quorum_id)
         if not rnd.result.done():
             rnd.result.set_result(quorum)
 
@@ -490,56 +532,6 @@ class ManagerServer:
                 rnd.result.set_exception(_Failure(code, message))
         self._votes.fail_all(lambda: _Failure(code, message))
         self._rounds.clear()
-
-    # ------------------------------------------------------------------ in-process API
-    def _call_local(self, coro: Any, timeout: float, what: str) -> Any:
-        """Run a round coroutine on the server's loop for a rank in this process: the
-        same logic as the gRPC methods without a gRPC round trip to ourselves."""
-        if self._loop is None or self._stopped.is_set():
-            coro.close()
-            raise ConnectionError(f"{what}: the manager server of replica {self.replica_id} is not running")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return fut.result(timeout)
-        except cf.TimeoutError:
-            fut.cancel()  # withdraws this rank from the round
-            raise TimeoutError(f"{what} at replica {self.replica_id} timed out after {timeout:.1f}s") from None
-        except _Failure as f:
-            if f.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TimeoutError(f"{what}: {f.message}") from None
-            if f.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-                raise ValueError(f"{what}: {f.message}") from None
-            if f.code == grpc.StatusCode.PERMISSION_DENIED:
-                raise PermissionError(f"{what}: {f.message}") from None
-            raise ConnectionError(f"{what} failed ({f.code.name}): {f.message}") from None
-
-    def local_quorum(self, req: pb.ManagerQuorumRequest, timeout: float,
-                     step_stats: dict[str, Any] | None = None) -> QuorumResult:
-        """``Quorum`` for a rank in this process (group rank 0's manager), with its step
-        stats (checked as the metadata is: ``ValueError`` naming the field, nothing changes)."""
-        if not 0 <= req.group_rank < self.world_size:
-            raise ValueError(f"group rank {req.group_rank} is not in replica group {self.replica_id} of {self.world_size}")
-        what = f"quorum for group rank {req.group_rank} at step {req.step}"
-        try:
-            stats = None if step_stats is None else rules.parse_step_stats(rules.encode_step_stats(step_stats))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{what}: bad step stats: {e}") from None
-        return self._call_local(self._as_local(req.group_rank, self._join_quorum(req, timeout, stats)), timeout, what)
-
-    def local_should_commit(self, rank: int, step: int, vote: bool, timeout: float) -> bool:
-        """``ShouldCommit`` for a rank in this process."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"group rank {rank} is not in replica group {self.replica_id} of {self.world_size}")
-        return self._call_local(self._as_local(rank, self._vote(rank, step, vote)), timeout,
-                                f"should_commit of group rank {rank} at step {step}")
-
-    async def _as_local(self, rank: int, coro: Any) -> Any:
-        """``coro`` on behalf of ``rank`` of this process (bound to the server's own key)."""
-        why = self._bind_rank(rank, self._local_key, "this process")
-        if why is not None:
-            coro.close()
-            raise _Failure(grpc.StatusCode.PERMISSION_DENIED, f"replica {self.replica_id}: {why}")
-        return await coro
 
     # ------------------------------------------------------------------ API
     def address(self) -> str:

@@ -1,0 +1,115 @@
+"""Quorum leases with real replica groups (subprocesses running ``tests/replica_worker.py``
+on 127.0.0.1): the lighthouse off the step path, and the races of LEASES.md -- a joiner
+arriving every step, a member leaving the lease while its peers are mid-allreduce, one
+member's stream breaking while the others keep theirs, the lighthouse SIGKILLed mid-run."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import httpx
+
+from test_manager import _Cutter
+
+
+def _requests(lh: Any) -> float:
+    """The lighthouse's Quorum requests so far (its own counter)."""
+    for line in lh.core.metrics.render().decode().splitlines():
+        if line.startswith("rallypoint_lighthouse_quorum_requests_total "):
+            return float(line.split()[1])
+    raise AssertionError("no quorum request counter")
+
+
+def test_steady_steps_skip_the_lighthouse_and_joiners_each_revoke_and_heal(lighthouse, replicas_factory) -> None:
+    lh = lighthouse(min_replicas=2, join_timeout_ms=2000)
+    r = replicas_factory(lh)
+    r.start("replica_0", seed=1, delay=0.02)
+    r.start("replica_1", seed=2, delay=0.02)
+    r.wait_for("a lease", lambda: lh.status()["lease"]["quorum_id"] is not None and r.step("replica_0") >= 3, 30)
+    before, step0 = _requests(lh), r.step("replica_0")
+    r.wait_for("10 more steps", lambda: r.step("replica_0") >= step0 + 10, 30)
+    assert _requests(lh) == before, "steps on a lease asked the lighthouse"
+    assert lh.status()["lease"]["members"] and lh.core.metrics.render().count(b"rallypoint_step_reports_total") >= 1
+    # Joiners, one right after another: each revokes the lease, is taken in and heals.
+    for i, name in enumerate(("replica_2", "replica_3", "replica_4")):
+        r.start(name, seed=10 + i, delay=0.02)
+        r.wait_for(f"{name} in", lambda n=name: r.step(n) >= 1, 30)
+    target = max(r.step(f"replica_{i}") for i in range(5)) + 5
+    r.finish(target, timeout=40)
+    r.assert_identical([f"replica_{i}" for i in range(5)], target)
+    for n in ("replica_0", "replica_1"):
+        assert len(r.progress(n)["failed"]) <= 3, r.progress(n)["failed"]  # joiners cost no stream of failures
+    why = [e.detail.get("why") for e in lh.core.store.events(limit=500) if e.kind == "lease_revoked"]
+    assert why.count("joiner") >= 3, why
+    assert lh.status()["lease"]["granted_total"] >= 4
+
+
+def test_a_member_leaving_the_lease_fails_its_peers_round_now_not_at_the_timeout(lighthouse, replicas_factory) -> None:
+    """replica_1 alone fails step 6 (a local error after the collectives) and asks the
+    lighthouse; its peers committed 6 and are already in step 7's allreduce on the lease,
+    which replica_1 will never join. The revoke names it (after step 6): their round fails
+    at once, and everyone goes on -- long before the 60 s collective timeout."""
+    lh = lighthouse(min_replicas=2, join_timeout_ms=2000)
+    r = replicas_factory(lh)
+    opts = {"delay": 0.02, "timeout": 60}
+    r.start("replica_0", seed=1, **opts)
+    r.start("replica_1", seed=2, fault={"at": "local_error", "step": 6}, **opts)
+    r.start("replica_2", seed=3, **opts)
+    r.wait_for("past the failure", lambda: all(r.step(f"replica_{i}") >= 9 for i in range(3)), 30)
+    r.finish(12, timeout=30)
+    r.assert_identical(["replica_0", "replica_1", "replica_2"], 12)
+    assert r.progress("replica_1")["failed"][:1] == [6]
+    events = [e for e in lh.core.store.events(limit=500) if e.kind == "lease_revoked"]
+    asked = [e for e in events if e.detail.get("why") == "member_asked"]
+    assert asked and asked[0].replica_id and "replica_1" in asked[0].replica_id, [(e.replica_id, e.detail) for e in events]
+
+
+def test_one_member_losing_its_stream_is_dropped_and_heals_back_in(lighthouse, replicas_factory, tmp_path) -> None:
+    from replica_worker import Replicas
+
+    lh = lighthouse(min_replicas=2, join_timeout_ms=1000)
+    host, port = lh.address().split("://")[-1].rsplit(":", 1)
+    relay = _Cutter((host, int(port)))
+    try:
+        r = replicas_factory(lh)
+        cut = Replicas(tmp_path, f"http://127.0.0.1:{relay.port}")  # replica_2 reaches the lighthouse through the relay
+        for name, seed in (("replica_0", 1), ("replica_1", 2)):
+            r.start(name, seed=seed, delay=0.02)
+        cut.start("replica_2", seed=3, delay=0.02)
+        r.wait_for("a lease of three", lambda: len(lh.status()["lease"]["members"]) == 3 and r.step("replica_0") >= 3, 30)
+        relay.cut()  # replica_2's stream (and every call of its) breaks; 0 and 1 keep theirs
+        s0 = r.step("replica_0")
+        r.wait_for("0 and 1 go on without 2", lambda: r.step("replica_0") >= s0 + 8 and r.step("replica_1") >= s0 + 8, 30)
+        relay.down.clear()
+        r.wait_for("replica_2 back in", lambda: r.step("replica_2") >= r.step("replica_0") - 1 >= s0 + 8, 40)
+        target = max(r.step(n) for n in ("replica_0", "replica_1", "replica_2")) + 4
+        r.finish(target, timeout=40)
+        cut.finish(target, timeout=20)
+        r.assert_identical(["replica_0", "replica_1", "replica_2"], target)
+        why = [e.detail.get("why") for e in lh.core.store.events(limit=1000) if e.kind == "lease_revoked"]
+        assert "member_gone" in why, why
+    finally:
+        relay.close()
+
+
+def test_a_sigkilled_lighthouse_costs_leased_groups_no_step(cli_lighthouse, tmp_path) -> None:
+    from replica_worker import Replicas
+
+    lh = cli_lighthouse(min_replicas=2, extra=["--join-timeout-ms", "2000"], http=True)
+    r = Replicas(tmp_path, lh.address)
+    try:
+        r.start("replica_0", seed=1, delay=0.02)
+        r.start("replica_1", seed=2, delay=0.02)
+        r.wait_for("a lease", lambda: r.step("replica_0") >= 3 and r.step("replica_1") >= 3
+                   and httpx.get(f"{lh.http}/status", timeout=5).json()["lease"]["quorum_id"] is not None, 30)
+        lh.proc.kill(signal.SIGKILL)
+        assert lh.proc.wait(10.0) == -signal.SIGKILL
+        s = max(r.step("replica_0"), r.step("replica_1"))
+        r.wait_for("10 steps without a lighthouse", lambda: min(r.step("replica_0"), r.step("replica_1")) >= s + 10, 30)
+        r.finish(s + 12, timeout=30)
+        r.assert_identical(["replica_0", "replica_1"], s + 12)
+        for n in ("replica_0", "replica_1"):
+            assert r.progress(n)["failed"] == [], r.progress(n)["failed"]
+    finally:
+        r.kill_all()
