@@ -98,7 +98,7 @@ class Groups:
         self.target: int | None = None  # the lease whose revoke is being timed
         self.revoked_at: dict[int, float] = {}
         self.all_revoked = asyncio.Event()
-        self.other: dict[str, int] = {"revokes": 0, "peer_down": 0, "stream_errors": 0}
+        self.other: dict[str, int] = {"other_revokes": 0, "peer_down": 0, "stream_errors": 0, "cancelled_retried": 0}
 
     def request(self, rid: str, i: int, step: int) -> Any:
         return self.pb.LighthouseQuorumRequest(requester=self.pb.QuorumMember(
@@ -134,7 +134,7 @@ class Groups:
                         if len(self.revoked_at) == self.n:
                             self.all_revoked.set()
                     else:
-                        self.other["revokes"] += 1
+                        self.other["other_revokes"] += 1  # e.g. the first re-asker's left notice
                 elif msg.HasField("peer_down"):
                     self.other["peer_down"] += 1
         except Exception:  # the lighthouse shut down, or the stream broke: counted, not fatal
@@ -143,12 +143,23 @@ class Groups:
     async def ask(self, rid: str, i: int, step: int, timeout: float) -> tuple[int | None, int, int | None, str | None]:
         from rallypoint._net.lease import parse_grant
 
-        call = self.quorum[i // PER_CHANNEL](self.request(rid, i, step), timeout=timeout)
-        try:
-            resp = await call
-            return resp.quorum.quorum_id, len(resp.quorum.participants), parse_grant(await call.trailing_metadata()), None
-        except Exception as e:
-            return None, 0, None, f"{rid}: {type(e).__name__}: {str(e)[:300]}"
+        t0 = time.perf_counter()
+        while True:
+            left = timeout - (time.perf_counter() - t0)
+            call = self.quorum[i // PER_CHANNEL](self.request(rid, i, step), timeout=left)
+            try:
+                resp = await call
+                return resp.quorum.quorum_id, len(resp.quorum.participants), parse_grant(await call.trailing_metadata()), None
+            except self.grpc.aio.AioRpcError as e:
+                # Seen at N=1024 after a revoke: a call CANCELLED before it reaches the lighthouse's
+                # handler (no metadata, "CANCELLED:CANCELLED"). Asked again, and counted.
+                if e.code() == self.grpc.StatusCode.CANCELLED and left > 1:
+                    self.other["cancelled_retried"] += 1
+                    continue
+                err: Exception = e
+            except Exception as e:
+                err = e
+            return None, 0, None, f"{rid} after {time.perf_counter() - t0:.3f}s: {type(err).__name__}: {str(err)[:300]}"
 
     async def quorum_all(self, step: int, timeout: float = 60) -> dict:
         t0 = time.perf_counter()
@@ -220,9 +231,13 @@ async def child_main(cfg: dict) -> None:
 
 
 # ================================================================ parent
+_OTHER: dict[str, dict] = {}  # child name -> its latest counters (Groups.other)
+
+
 def _ask(child: Child, cmd: dict, timeout: float) -> dict:
     child.send(cmd)
     res = child.recv(timeout=timeout)
+    _OTHER[child.name] = res.get("other", {})
     if "error" in res:
         raise RuntimeError(f"{child.name}: {res['error']}")
     return res
@@ -332,6 +347,7 @@ def bench_leased(n: int, revokes: int, duration: float) -> dict:
         if lh is not None:
             res["shutdown_tracebacks"] = _shutdown(lh)
         if child is not None:
+            res["child"] = _OTHER.get(child.name)
             child.close(grace=2)
     return res
 
@@ -372,6 +388,7 @@ def bench_rounds(impl: str, n: int, rounds: int) -> dict:
         if srv is not None:
             srv.shutdown()
         if child is not None:
+            res["child"] = _OTHER.get(child.name)
             child.close(grace=2)
         if saved_fd is not None and sink is not None:
             os.dup2(saved_fd, 2)
@@ -439,6 +456,8 @@ def main() -> int:
                          f"{_f(median(le['revoke_child_cpu_ms']), 1)} ms; lighthouse busy {_f(rep.get('cores'), 2)} cores "
                          f"with reports, {_f(pi.get('cores'), 3)} idle")
         notes += [f"N={n} {k}: {v['error'][:400]}" for k, v in results[str(n)].items() if "error" in v]
+        notes += [f"N={n} {k}: {v['child']['cancelled_retried']} Quorum call(s) CANCELLED before reaching the "
+                  "lighthouse, asked again" for k, v in results[str(n)].items() if (v.get("child") or {}).get("cancelled_retried")]
     print()
     print(f"quorum leases: rallypoint's lighthouse vs torchft {env['torchft']}; {env['cpus']} CPUs; wall {env['wall_s']:.0f} s; "
           f"load {env['loadavg_1m_at_start']:.2f} -> {env['loadavg_1m_at_end']:.2f}; CPU = lighthouse CPU ms per group-step")

@@ -53,7 +53,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _flag(lh, "quorum-tick-ms", type=int, default=None, help="cap on the wait between evaluations (default: none; evaluation is event driven)")
     _flag(lh, "bind", default="[::]:29510", help="gRPC address ([::]:29510)")
     _flag(lh, "http-bind", default="[::]:29511", help="HTTP dashboard address ([::]:29511); 'off' disables it")
-    _flag(lh, "state", default=DEFAULT_STATE, help=f"SQLite state file ({DEFAULT_STATE}); ':memory:' keeps nothing across restarts")
+    _flag(lh, "state", default=DEFAULT_STATE, help=f"SQLite state file ({DEFAULT_STATE}); ':memory:' keeps nothing across restarts; "
+          "etcd://host:port[,host:port...]/prefix keeps it in etcd, where several lighthouses elect a leader (HA)")
     _flag(lh, "token", default=None, help="require 'authorization: Bearer TOKEN' (default: $RALLYPOINT_TOKEN)")
     _flag(lh, "forget-after-ms", type=int, default=None, help="forget replicas silent this long (10 x heartbeat timeout)")
     _flag(lh, "tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS (default: $RALLYPOINT_TLS_CERT)")
@@ -74,6 +75,9 @@ def _build_parser() -> argparse.ArgumentParser:
           help="slow steps within the window that make a straggler (5; at most --straggler-window)")
     _flag(lh, "straggler-cooldown-s", type=float, default=10.0,
           help="first eviction's cool-down, doubling on repeats up to 30 s (10)")
+    _flag(lh, "etcd-ttl-s", type=float, default=2.0,
+          help="with --state etcd://...: the leader's etcd lease, so the time before a standby replaces a dead "
+               "leader (2; etcd may raise it to its minimum)")
     _flag(lh, "leases", choices=("on", "off"), default="on",
           help="grant quorums as leases, so that replica groups start steps without asking until membership "
                "must change (on; see rallypoint/lighthouse/LEASES.md); 'off': every step asks, as in torchft")
@@ -142,6 +146,7 @@ def _straggler_policy(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 def _run_lighthouse(args: argparse.Namespace) -> int:
     from rallypoint.lighthouse.server import LighthouseServer
+    from rallypoint.lighthouse.etcd_state import EtcdUnavailable
     from rallypoint.lighthouse.state import StateFileError
 
     from rallypoint._net.auth import job_token
@@ -170,10 +175,11 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
             tls=tls,
             stragglers=stragglers,
             leases=args.leases == "on",
+            ha_ttl_s=args.etcd_ttl_s,
             # A restart from an in-memory state would hand out quorum ids again: refused then.
             on_restart=restart.set if args.state != ":memory:" else None,
         )
-    except (StateFileError, OSError, ValueError) as e:
+    except (StateFileError, OSError, ValueError, EtcdUnavailable, ImportError) as e:
         # StateFileError (locked, corrupt, newer schema, read-only, disk full) is one complete
         # line naming the file and what to do; an OSError is e.g. a port already in use.
         print(f"rallypoint lighthouse: {e}", file=sys.stderr)

@@ -278,15 +278,22 @@ def test_core_grants_revokes_on_a_joiner_and_a_member_and_bumps_the_id() -> None
             assert core.leases.holds("a") == 0  # c has no stream: never leased
             core.attach("c", "http://c:1", True)
             await asyncio.gather(*(core.request_quorum(q.Member(r, step=5, world_size=1)) for r in ("a", "b", "c")))
-            assert core.leases.holds("c") == core.quorum_id == 2  # same members, nothing revoked: same id
+            # Same members, but c was told at attach that every lease up to 2 is over: a new id.
+            assert core.leases.holds("c") == core.quorum_id == 3
+            await asyncio.gather(*(core.request_quorum(q.Member(r, step=6, world_size=1, commit_failures=1))
+                                   for r in ("a", "b", "c")))  # ... and a lease ends when its members ask
+            await asyncio.gather(*(core.request_quorum(q.Member(r, step=6, world_size=1)) for r in ("a", "b", "c")))
+            assert core.leases.holds("c") == core.quorum_id == 5
+            _pushed(atts["a"])
+            ids = core.quorum_id
             asker = asyncio.ensure_future(core.request_quorum(q.Member("b", step=9, world_size=1, commit_failures=1)))
             await asyncio.sleep(0)
             (msg,) = _pushed(atts["a"])[-1:]
             assert (msg.lease_revoke.replica_id, msg.lease_revoke.after_step) == ("b", 9)
             await asyncio.gather(asker, *(core.request_quorum(q.Member(r, step=9, world_size=1)) for r in ("a", "c")))
-            assert core.quorum_id == 3 and core.leases.holds("b") == 3
+            assert core.quorum_id == ids + 1 and core.leases.holds("b") == ids + 1
             events = [e.kind for e in core.store.events(limit=50)]
-            assert events.count("lease_revoked") == 2
+            assert events.count("lease_revoked") == 4  # joiner c; then a asking, twice; then b asking
         finally:
             await core.stop()
 
@@ -399,3 +406,26 @@ def test_left_notice_once_per_revoke_from_the_first_member_to_ask() -> None:
     desk2.grant(lease, {"a": True, "b": True, "c": True})
     desk2.revoke(ls.revoke_for_request(lease, "a", 9, 1))
     assert desk2.left_sent  # the member_asked revoke was the notice
+
+
+def test_a_revoke_at_attach_gives_the_next_quorum_a_new_id() -> None:
+    """A member whose stream was down when a quorum formed re-attaches: it is told every
+    lease up to the current id is over, so the next quorum must not reuse that id (its
+    grant would be refused by that member and taken up by the others)."""
+    async def main() -> None:
+        core = _core()
+        core.start()
+        try:
+            core.attach("a", "http://a:1", True)
+            await asyncio.gather(*(core.request_quorum(q.Member(r, step=1, world_size=1)) for r in ("a", "b")))
+            first = core.quorum_id
+            assert core.leases.lease is None  # b had no stream: not leased
+            b = core.attach("b", "http://b:1", True)
+            (msg,) = _pushed(b)
+            assert msg.lease_revoke.quorum_id == first and core.leases.fresh_id
+            await asyncio.gather(*(core.request_quorum(q.Member(r, step=2, world_size=1)) for r in ("a", "b")))
+            assert core.quorum_id == first + 1 and core.leases.holds("b") == first + 1
+        finally:
+            await core.stop()
+
+    asyncio.run(main())

@@ -146,8 +146,11 @@ def test_recovery_differs_only_by_the_stale_steps(tmp_path: Path) -> None:
     site = build_site(tmp_path / "site")
     for f in (site / "test_fixtures").glob("*.json"):
         f.unlink()  # record rallypoint's run, not read torchft's
+    # Leases off: with a lease, the survivor's round that starts as its peer fails is answered
+    # from the lease and fails too (LEASES.md, "What leases cost"), one sync torchft's run has
+    # not; this test compares the heal itself, number for number.
     results, tail = run_file(site, "diloco_regression_test.py", "-k", "test_diloco_mocked_failure_recovery",
-                             WRITE_FIXTURE="true")
+                             WRITE_FIXTURE="true", RALLYPOINT_LEASES="0")
     assert results == {RECOVERY: ("passed", "")}, tail
     ours = json.loads((site / "test_fixtures" / f"{RECOVERY}.json").read_text())
     theirs = json.loads((FIXTURES / f"{RECOVERY}.json").read_text())

@@ -22,12 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rallypoint._net.ratelog import Throttle, left_out_note
+from rallypoint._net.ratelog import Throttle
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint.lighthouse import leases as ls
 from rallypoint.lighthouse import quorum as q
 from rallypoint.lighthouse import stragglers as sg
+from rallypoint.lighthouse._scoring import Scoring
 from rallypoint.lighthouse._ledger_store import GoodputBook
 from rallypoint.lighthouse.injections import InjectionDesk
 from rallypoint.lighthouse.metrics import LighthouseMetrics
@@ -87,7 +88,7 @@ def quorum_to_pb(quorum: q.Quorum) -> pb.Quorum:
     return msg
 
 
-class LighthouseCore:
+class LighthouseCore(Scoring):
     """Heartbeats, pending requests, the previous quorum and the attached streams."""
 
     def __init__(
@@ -139,7 +140,9 @@ class LighthouseCore:
         self._expected: dict[str, float] = {}  # members of a just-revoked lease -> waited for until
         self.injections = InjectionDesk()  # `rallypoint inject`: handed out with the next quorum answer
         # The goodput ledger (ledger.py): fed below, saved in the state file now and then.
-        self.goodput = GoodputBook(None if store.path == MEMORY else store.path, wall=wall, clock=clock)
+        # Saved in the state file; kept in memory with no file (":memory:", or etcd's state).
+        self.goodput = GoodputBook(None if store.path == MEMORY or "://" in store.path else store.path, wall=wall,
+                                   clock=clock)
         self._stats_log = Throttle(_BAD_STATS_LOG_INTERVAL, clock)
         self.started = wall()
         if restored.quorum_id:
@@ -172,6 +175,8 @@ class LighthouseCore:
                 if not fut.done():
                     fut.set_exception(ReplicaDead("the lighthouse is shutting down; retry against its replacement"))
         self._waiters.clear()
+        for att in list(self._attached.values()):
+            att.overflow.set()  # ends its stream now (a deposed HA leader: the replicas re-attach to the new one)
         self.pending.clear()
         await self.goodput.close()
 
@@ -266,6 +271,8 @@ class LighthouseCore:
             stale = ls.revoke_at_attach(self.leases.lease, rid, held_lease, self.quorum_id)
             if stale is not None:
                 att.push(stale.to_pb().SerializeToString())
+                # It must not take up a grant of the current id either: the next quorum gets a new one.
+                self.leases.fresh_id = self.leases.fresh_id or stale.quorum_id >= self.quorum_id
         return att
 
     def revoke_lease(self, revoke: ls.Revoke | None) -> None:
@@ -334,80 +341,6 @@ class LighthouseCore:
         self._update_gauges()
         self._schedule()
 
-    # ---------------------------------------------------------------- stragglers
-    def _score(self, member: q.Member, now: float) -> None:
-        """Feed the request's step timings to the straggler scorer. Never fails the
-        request: ``data`` is untrusted, and a bad report only goes unscored."""
-        rid = member.replica_id
-        try:
-            stats = sg.parse_step_stats(member.data)
-            if stats is None:
-                return
-            self.goodput.round(rid, stats)
-            if stats.sdc is not None:
-                self._sdc_event(rid, stats)
-            events = self.stragglers.observe(
-                rid, stats, now, lambda: self._healthy_now(now), self.options.min_replicas
-            )
-        except sg.BadStepStats as e:
-            left_out = self._stats_log.ready(now)
-            if left_out is not None:
-                log.debug("[%s] step_stats ignored for straggler scores: %s%s", rid, e, left_out_note(left_out))
-            return
-        except Exception:  # a scoring bug must never cost the job its quorum
-            if self._stats_log.ready(now) is not None:
-                log.exception("[%s] straggler scoring failed; the quorum request is served regardless", rid)
-            return
-        self._straggler_events(events, now)
-
-    def _sdc_event(self, rid: str, stats: sg.StepStats) -> None:
-        """A corruption check failed a round: one ``sdc`` event per step and check (every
-        group of the quorum reports the same verdict), naming the groups it flagged."""
-        key = (stats.step, stats.sdc or "")
-        if key in self._sdc_seen:
-            return
-        self._sdc_seen[key] = None
-        while len(self._sdc_seen) > 64:
-            del self._sdc_seen[next(iter(self._sdc_seen))]
-        self.store.record_event("sdc", stats.sdc_bad[0] if stats.sdc_bad else rid, step=stats.step, check=stats.sdc,
-                                bad=list(stats.sdc_bad), reported_by=rid)
-        log.warning("silent data corruption at step %d (%s check): %s (reported by %s)", stats.step, stats.sdc,
-                    ", ".join(stats.sdc_bad) or "?", rid)
-
-    def _healthy_now(self, now: float) -> set[str]:
-        return q.healthy_replicas(now, q.View(self.heartbeats, self.pending), self.options)
-
-    def _straggler_events(self, events: list[sg.Event], now: float) -> None:
-        """Log, record and count what the scorer reported."""
-        for ev in events:
-            detail = dict(ev.detail)
-            if ev.until is not None:
-                detail["until"] = round(self._to_wall(ev.until, now), 3)
-            self.store.record_event(ev.kind, ev.group, **detail)
-            if ev.kind == sg.EVICTED and self.leases.holds(ev.group):
-                self.revoke_lease(ls.Revoke(self.leases.holds(ev.group), "evicted", f"member {ev.group} was evicted"))
-            if ev.kind in (sg.EVICTED, sg.READMITTED):
-                (self.goodput.evicted if ev.kind == sg.EVICTED else self.goodput.readmitted)(ev.group)
-            if ev.kind == sg.EVICTED:
-                self.metrics.straggler_evicted()
-                log.warning(
-                    "[%s] straggler evicted: left out of quorums for %.1fs (score %s at step %s); it keeps "
-                    "heartbeating and heals when readmitted", ev.group, detail["cooldown_s"], detail["score"],
-                    detail["step"],
-                )
-            elif ev.kind == sg.STRAGGLER:
-                log.warning(
-                    "[%s] straggler: compute time %sx the median of its peers (%d of its last %d steps slow, "
-                    "step %s; policy %s)", ev.group, detail["score"], detail["slow_votes"], detail["window"],
-                    detail["step"], self.stragglers.policy.mode,
-                )
-            else:
-                log.info("[%s] %s %s", ev.group, ev.kind.replace("_", " "),
-                         " ".join(f"{k}={v}" for k, v in detail.items()))
-
-    def _to_wall(self, monotonic: float, now: float) -> float:
-        return self._wall() + (monotonic - now)
-
     # ---------------------------------------------------------------- evaluation
     def _schedule(self) -> None:
         """Evaluate soon, once per burst: many requests arriving in one loop
@@ -423,6 +356,11 @@ class LighthouseCore:
         if readmitted:
             self._straggler_events(readmitted, now)
         excluded = self.stragglers.excluded(now)
+        lease = self.leases.lease
+        if lease is not None and self.pending:  # someone waits to join (e.g. readmitted after an eviction)
+            waiting = next((r for r in self.pending if r not in lease.replica_id_set and r not in excluded), None)
+            if waiting is not None:
+                self.revoke_lease(ls.Revoke(lease.quorum_id, "joiner", f"replica {waiting} asks to join"))
         view = q.View(self.heartbeats, self.pending, self.previous, self.quorum_id, excluded, self.leases.fresh_id,
                       self._expected)
         decision = q.decide(now, view, self.options)
@@ -492,7 +430,14 @@ class LighthouseCore:
         flushed = asyncio.get_running_loop().run_in_executor(None, self.store.flush, _PERSIST_TIMEOUT)
 
         def done(f: asyncio.Future) -> None:
-            if f.cancelled() or f.exception() is not None or not f.result():
+            confirmed = not f.cancelled() and f.exception() is None and f.result()
+            if not confirmed and getattr(self.store, "strict", False):  # etcd: the compare-and-swap failed
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_exception(ReplicaDead(f"quorum {quorum.quorum_id} was not written to {self.store.path}: "
+                                                      "this lighthouse no longer leads; ask the new leader"))
+                return
+            if not confirmed:
                 log.error(
                     "quorum %d is not confirmed on disk in %s after %.1fs; answering anyway "
                     "(a crash now could make a restarted lighthouse reuse an older quorum_id)",

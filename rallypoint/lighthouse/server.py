@@ -15,27 +15,30 @@ import asyncio
 import json
 import logging
 import threading
+import uuid
 from typing import Any, Callable
 
 import grpc
 
 from rallypoint._net import __version__
 from rallypoint._net.auth import TokenInterceptor, job_token
-from rallypoint._net.inject import INJECT_KEY, Injection, encode_injections
+from rallypoint._net.inject import INJECT_KEY, encode_injections
 from rallypoint._net.lease import LEASE_KEY, encode_grant
 from rallypoint._net.limits import MAX_REASON_BYTES, clip
-from rallypoint._net.rpc import channel_options, server_options, unary_handler
-from rallypoint._net.tls import TlsConfig, add_port, aio_channel, check_server, tls_config
+from rallypoint._net.rpc import server_options, unary_handler
+from rallypoint._net.tls import TlsConfig, add_port, check_server, tls_config
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net import addr as addrs
-from rallypoint.lighthouse import leases as ls
 from rallypoint.lighthouse import reports, validate
 from rallypoint.lighthouse.core import OUTBOX_LIMIT, LighthouseCore, ReplicaDead, _Attachment
-from rallypoint.lighthouse.injections import LIGHTHOUSE_KINDS, UnknownReplica, check_request, resolve
+from rallypoint.lighthouse.injections import UnknownReplica, check_request
 from rallypoint.lighthouse.metrics import LighthouseMetrics
+from rallypoint.lighthouse._view import _View
 from rallypoint.lighthouse.quorum import Options
-from rallypoint.lighthouse.state import StateStore
+from rallypoint.lighthouse.state import MEMORY, StateStore
+from rallypoint.lighthouse.etcd_state import EtcdSession, is_etcd, parse_spec
+from rallypoint.lighthouse.ha import Leadership
 from rallypoint.lighthouse.stragglers import Policy as StragglerPolicy
 
 log = logging.getLogger("rallypoint.lighthouse")
@@ -49,7 +52,6 @@ EMBEDDED_JOIN_TIMEOUT_MS = 100
 DEFAULT_HEARTBEAT_TIMEOUT_MS = 5_000
 # A stream must say hello promptly, or it is a confused client holding a slot.
 HELLO_TIMEOUT_S = 10.0
-KILL_TIMEOUT_S = 10.0
 
 
 def _raw(payload: Any) -> bytes:
@@ -60,11 +62,28 @@ def _raw(payload: Any) -> bytes:
 class _Service:
     """gRPC handlers; each one validates, then delegates to the core."""
 
-    def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, view: "_View") -> None:
-        self.core = core
+    def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, view: "_View",
+                 leads: Callable[[], bool] = lambda: True) -> None:
         self.metrics = metrics
         self.view = view
-        self.reports = reports.EventIntake(core.store, metrics)
+        self.leads = leads  # False on an HA standby (and a deposed leader): refuse what needs the leader
+        self.install(core)
+
+    def install(self, core: LighthouseCore) -> None:
+        """Serve from ``core`` (an HA lighthouse's own, once it is elected)."""
+        self.core = core
+        self.view.core = core
+        self.reports = reports.EventIntake(core.store, self.metrics)
+
+    def gated(self, fn: Callable[[Any, grpc.aio.ServicerContext], Any]) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
+        """``fn``, refused with UNAVAILABLE ("standby lighthouse") unless this lighthouse
+        leads: a client with several lighthouse addresses moves on to the next."""
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if not self.leads():
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "standby lighthouse: not the leader (HA); "
+                                    "ask another lighthouse of the job")
+            return await fn(request, context)
+        return call
 
     async def status(self, _request: rpb.StatusRequest, _context: grpc.aio.ServicerContext) -> rpb.StatusResponse:
         return rpb.StatusResponse(json=json.dumps(self.view.status()))
@@ -188,24 +207,21 @@ class _Service:
         clean, reason = False, "connection lost"
         invalid: validate.InvalidRequest | None = None
         reader = asyncio.ensure_future(self._read(context, att))
-        push: asyncio.Future | None = None
+        writer: asyncio.Future | None = None
         overflow: asyncio.Future | None = None
         try:
             await context.write(self.core.welcome())
+            # One writer for the stream's life: a push costs a queue get and a write, not
+            # a task and a wait per message (a revoke goes to every member at once).
+            writer = asyncio.ensure_future(self._write(context, att))
             overflow = asyncio.ensure_future(att.overflow.wait())
-            while True:
-                push = asyncio.ensure_future(att.outbox.get())
-                done, _ = await asyncio.wait({reader, push, overflow}, return_when=asyncio.FIRST_COMPLETED)
-                if overflow in done:
-                    push.cancel()
-                    reason = f"dropped: more than {OUTBOX_LIMIT} notices unread (the replica is not reading its stream)"
-                    break
-                if push in done:
-                    await context.write(push.result())
-                    continue
-                push.cancel()
+            done, _ = await asyncio.wait({reader, writer, overflow}, return_when=asyncio.FIRST_COMPLETED)
+            if overflow in done:
+                reason = f"dropped: more than {OUTBOX_LIMIT} notices unread (the replica is not reading its stream)"
+            elif reader in done:
                 clean, reason = reader.result()
-                break
+            else:
+                writer.result()  # raises what broke the write side
         except validate.InvalidRequest as e:
             invalid, reason = e, f"invalid message on the stream: {e}"
         except asyncio.CancelledError:
@@ -216,13 +232,18 @@ class _Service:
             reason = f"stream error: {e!r}"
         finally:
             reader.cancel()
-            if push is not None:
-                push.cancel()
+            if writer is not None:
+                writer.cancel()
             if overflow is not None:
                 overflow.cancel()
             self.core.detach(att, clean=clean, reason=reason)
         if invalid is not None:
             await self._invalid(context, invalid)
+
+    @staticmethod
+    async def _write(context: grpc.aio.ServicerContext, att: _Attachment) -> None:
+        while True:
+            await context.write(await att.outbox.get())
 
     async def _read(self, context: grpc.aio.ServicerContext, att: _Attachment) -> tuple[bool, str]:
         while True:
@@ -260,91 +281,22 @@ def _handlers(service: _Service) -> list[grpc.GenericRpcHandler]:
     lighthouse = grpc.method_handlers_generic_handler(
         "torchft.LighthouseService",
         {
-            "Quorum": unary_handler(service.quorum, pb.LighthouseQuorumRequest, _raw, invalid),
-            "Heartbeat": unary_handler(service.heartbeat, pb.LighthouseHeartbeatRequest, _raw, invalid),
+            "Quorum": unary_handler(service.gated(service.quorum), pb.LighthouseQuorumRequest, _raw, invalid),
+            "Heartbeat": unary_handler(service.gated(service.heartbeat), pb.LighthouseHeartbeatRequest, _raw, invalid),
         },
     )
     extension = grpc.method_handlers_generic_handler(
         "rallypoint.RallypointLighthouse",
         {
             # Parsed by the handler (_attach_request): malformed bytes are INVALID_ARGUMENT.
-            "Attach": grpc.stream_stream_rpc_method_handler(service.attach, response_serializer=_raw),
+            "Attach": grpc.stream_stream_rpc_method_handler(service.gated(service.attach), response_serializer=_raw),
             "Status": unary_handler(service.status, rpb.StatusRequest, _raw, invalid),
-            "KillReplica": unary_handler(service.kill_replica, rpb.KillReplicaRequest, _raw, invalid),
-            "ReportEvent": unary_handler(service.report_event, rpb.SupervisorEvent, _raw, invalid),
-            "Inject": unary_handler(service.inject, rpb.InjectRequest, _raw, invalid),
+            "KillReplica": unary_handler(service.gated(service.kill_replica), rpb.KillReplicaRequest, _raw, invalid),
+            "ReportEvent": unary_handler(service.gated(service.report_event), rpb.SupervisorEvent, _raw, invalid),
+            "Inject": unary_handler(service.gated(service.inject), rpb.InjectRequest, _raw, invalid),
         },
     )
     return [lighthouse, extension]
-
-
-class _View:
-    """What the HTTP app sees (called on the loop thread)."""
-
-    def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, token: str | None, tls: TlsConfig,
-                 on_restart: Callable[[], None] | None = None) -> None:
-        self.core = core
-        self._metrics = metrics
-        self._token = token
-        self._tls = tls
-        self._on_restart = on_restart
-
-    def inject(self, name: str, inj: Injection) -> str:
-        """Accept a checked injection (see :mod:`injections`); returns the replica it goes
-        to. Raises ``UnknownReplica``, ``ValueError`` (too many waiting) or ``RuntimeError``
-        (a restart this lighthouse cannot do); nothing is recorded then."""
-        if inj.kind in LIGHTHOUSE_KINDS:
-            if self._on_restart is None:
-                raise RuntimeError("this lighthouse cannot restart itself (it is embedded in another program); "
-                                   "lighthouse-restart needs one started by `rallypoint lighthouse`")
-            self.core.store.record_event("inject", None, injection=inj.id, injected=inj.kind)
-            log.warning("injection %s: restarting the lighthouse", inj.id)
-            asyncio.get_running_loop().call_later(0.2, self._on_restart)  # after the answer is out
-            return ""
-        rid = resolve(name, set(self.core.heartbeats) | set(self.core.pending))
-        self.core.injections.add(rid, inj)
-        if self.core.leases.holds(rid):  # handed out with a quorum answer: the group's next round must ask
-            self.core.revoke_lease(ls.Revoke(self.core.leases.holds(rid), "injection", f"injection {inj.id} for {rid}"))
-        self.core.store.record_event("inject", rid, injection=inj.id, injected=inj.kind,
-                                     **{k: v for k, v in inj.to_json().items() if k not in ("id", "kind")})
-        log.warning("[%s] injection %s (%s) handed to the group with its next quorum", rid, inj.id, inj.kind)
-        return rid
-
-    def status(self) -> dict:
-        s = self.core.status()
-        s["lighthouse"] = {"version": __version__, "started": self.core.started, "state_path": self.core.store.path}
-        return s
-
-    def events(self, limit: int, since_id: int | None, replica_id: str | None) -> list[dict]:
-        return [
-            {"id": e.id, "time": e.time, "kind": e.kind, "replica_id": e.replica_id, "detail": e.detail}
-            for e in self.core.store.events(limit=limit, since_id=since_id, replica_id=replica_id)
-        ]
-
-    def metrics(self) -> bytes:
-        self.core.refresh_gauges()
-        return self._metrics.render()
-
-    async def kill(self, replica_id: str, reason: str) -> str:
-        address = self.core.manager_address(replica_id)
-        if not address:
-            raise KeyError(replica_id)
-        self.core.store.record_event("kill", replica_id, reason=reason, address=address)
-        if self.core.leases.holds(replica_id):
-            self.core.revoke_lease(ls.Revoke(self.core.leases.holds(replica_id), "kill", f"operator kill of {replica_id}"))
-        log.warning("[%s] forwarding Kill to its manager at %s: %s", replica_id, address, reason)
-        metadata = [("authorization", f"Bearer {self._token}")] if self._token else None
-        async with aio_channel(addrs.grpc_target(address), address, self._tls, channel_options()) as channel:
-            call = channel.unary_unary(
-                "/torchft.ManagerService/Kill",
-                request_serializer=_raw,
-                response_deserializer=pb.KillResponse.FromString,
-            )
-            try:
-                await call(pb.KillRequest(msg=reason), timeout=KILL_TIMEOUT_S, metadata=metadata)
-            except grpc.aio.AioRpcError as e:
-                raise ConnectionError(f"manager at {address} answered {e.code().name}: {e.details()}") from None
-        return address
 
 
 class LighthouseServer:
@@ -375,6 +327,7 @@ class LighthouseServer:
         stragglers: StragglerPolicy | None = None,
         on_restart: Callable[[], None] | None = None,
         leases: bool = True,
+        ha_ttl_s: float = 2.0,
     ) -> None:
         self._options = Options(
             min_replicas=min_replicas,
@@ -396,6 +349,9 @@ class LighthouseServer:
         # lighthouse cannot restart itself (embedded in a process), and refuses it.
         self._on_restart = on_restart
         self._leases = leases  # grant quorum leases (LEASES.md); False: every round asks, as in torchft
+        self._ha_ttl = ha_ttl_s  # state etcd://...: the leader's etcd lease (a dead leader is replaced after it)
+        self._startup_timeout = startup_timeout
+        self.leadership: Leadership | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -435,21 +391,29 @@ class LighthouseServer:
                 self._bind,
             )
         check_server(self._tls, "the lighthouse", host, self._token, addrs.is_loopback(host))
-        store = StateStore(self._state_path)
+        session: EtcdSession | None = None
+        if is_etcd(self._state_path):  # HA: the state lives in etcd; serve only while elected
+            session = EtcdSession(parse_spec(self._state_path), uuid.uuid4().hex[:12], ttl=self._ha_ttl)
+            await session.connect(min(5.0, self._startup_timeout / 2))  # EtcdUnavailable: a clear error
+        store = StateStore(MEMORY if session is not None else self._state_path)  # a standby's is a placeholder
         metrics = LighthouseMetrics()
         http = None
         core: LighthouseCore | None = None
         server: grpc.aio.Server | None = None
+        election: asyncio.Task | None = None
+
+        def make_core(st: StateStore) -> LighthouseCore:
+            return LighthouseCore(self._options, st, metrics, quorum_tick=self._tick, forget_after=self._forget_after,
+                                  stragglers=self._stragglers, leases=self._leases)
+
         try:
-            core = LighthouseCore(
-                self._options, store, metrics, quorum_tick=self._tick, forget_after=self._forget_after,
-                stragglers=self._stragglers, leases=self._leases,
-            )
+            core = make_core(store)
             self.core = core
             interceptors = [TokenInterceptor(self._token, lambda _m, _w: metrics.rejected("unauthenticated"))] if self._token else []
             server = grpc.aio.server(options=server_options(), interceptors=interceptors)
             view = _View(core, metrics, self._token, self._tls, self._on_restart)
-            server.add_generic_rpc_handlers(_handlers(_Service(core, metrics, view)))
+            service = _Service(core, metrics, view)
+            server.add_generic_rpc_handlers(_handlers(service))
             try:
                 port = add_port(server, self._bind, self._tls)
             except RuntimeError as e:
@@ -477,10 +441,24 @@ class LighthouseServer:
                 self._stragglers.describe(),
                 "on" if self._leases else "off",
             )
+            if session is not None:
+                def install(elected: LighthouseCore) -> None:
+                    self.core = elected
+                    service.install(elected)
+
+                self.leadership = ha = Leadership(session, self.address(), make_core, install)
+                service.leads = view.leads = ha.leads
+                view.role = ha.role
+                election = asyncio.ensure_future(ha.run(self._stop))
+                log.info("HA lighthouse: standby until elected (state %s)", session.spec)
             self._ready.set()
             await self._stop.wait()
             log.info("lighthouse shutting down")
         finally:
+            if election is not None:
+                await asyncio.wait({election}, timeout=10.0)
+            if self.leadership is not None:
+                await self.leadership.close()
             # Also on a failed start (e.g. the HTTP port is taken): stop the gRPC server
             # that may already be listening, or its port stays bound in this process.
             if core is not None:

@@ -1,0 +1,95 @@
+"""An HA lighthouse's life: standby, elected, leading, deposed, standby again.
+
+A lighthouse started with ``--state etcd://...`` binds its ports at once, but while it
+does not lead:
+- it answers every call that needs the leader with UNAVAILABLE ("standby lighthouse");
+  clients with several lighthouse addresses then move on to the next one;
+- its status and dashboard show it as a standby.
+
+Once elected (:meth:`~rallypoint.lighthouse.etcd_state.EtcdSession.campaign`), it builds a
+fresh core from the state in etcd and serves from it. When it stops leading (its etcd
+session is lost, or a compare-and-swap of ``quorum_id`` fails), the core stops at once:
+- waiting Quorum calls fail;
+- liveness streams end, so the groups re-attach to the new leader.
+
+The lighthouse then campaigns again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from rallypoint.lighthouse.core import LighthouseCore
+from rallypoint.lighthouse.etcd_state import EtcdSession, EtcdStore
+from rallypoint.lighthouse.state import StateStore
+
+log = logging.getLogger("rallypoint.lighthouse")
+
+
+class Leadership:
+    """Runs the election and swaps the serving core (``install``) for each term."""
+
+    def __init__(self, session: EtcdSession, address: str, make_core: Callable[[StateStore], LighthouseCore],
+                 install: Callable[[LighthouseCore], None]) -> None:
+        self.session = session
+        self.address = address
+        self._make_core = make_core
+        self._install = install
+        self.core: LighthouseCore | None = None
+        self.terms = 0
+        self.elected = asyncio.Event()
+
+    def leads(self) -> bool:
+        return self.core is not None and self.session.leads()
+
+    def role(self) -> str:
+        return "leader" if self.leads() else "standby"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Campaign, lead, and after losing the lead campaign again, until ``stop``."""
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            campaign = asyncio.ensure_future(self.session.campaign(self.address))
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({campaign, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if stop.is_set():
+                campaign.cancel()
+                return
+            try:
+                restored, events = await self.session.load()
+            except Exception as e:  # noqa: BLE001 - cannot read the state: give the lead up, try again
+                log.error("elected, but reading the state from etcd failed (%s); resigning", e)
+                await self.session.resign()
+                await asyncio.sleep(0.5)
+                continue
+            store = EtcdStore(self.session, restored, events, loop)
+            core = self._make_core(store)
+            core.start()
+            self.core = core
+            self._install(core)
+            self.terms += 1
+            self.elected.set()
+            log.warning("leading the job from %s (term %d): quorum_id %d, last quorum %s", self.session.spec,
+                        self.terms, restored.quorum_id,
+                        list(restored.last_quorum.replica_ids) if restored.last_quorum else "none")
+            lost = asyncio.ensure_future(self.session.lost.wait())
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            lost.cancel()
+            stopping.cancel()
+            self.core = None
+            await core.stop()  # waiting calls fail, streams end: the groups go to the new leader
+            store.close()
+            if not stop.is_set():
+                log.warning("stepped down; standing by")
+
+    async def close(self) -> None:
+        """Give the lead up now (a clean stop), so a standby takes over without waiting
+        for the etcd lease to expire."""
+        await self.session.resign()
+
+
+__all__ = ["Leadership"]
