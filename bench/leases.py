@@ -93,6 +93,7 @@ class Groups:
         self.attach_stubs = [c.stream_stream(ATTACH, request_serializer=rpb.AttachRequest.SerializeToString,
                                              response_deserializer=rpb.AttachResponse.FromString) for c in chans]
         self.templates = [data_template(i) for i in range(n + 1)]  # + the joiner
+        self.every = 1  # the grant's report_every
         self.calls: list[Any] = []
         self.readers: list[asyncio.Future] = []
         self.target: int | None = None  # the lease whose revoke is being timed
@@ -141,7 +142,7 @@ class Groups:
             self.other["stream_errors"] += 1
 
     async def ask(self, rid: str, i: int, step: int, timeout: float) -> tuple[int | None, int, int | None, str | None]:
-        from rallypoint._net.lease import parse_grant
+        from rallypoint._net.lease import parse_lease
 
         t0 = time.perf_counter()
         while True:
@@ -149,7 +150,10 @@ class Groups:
             call = self.quorum[i // PER_CHANNEL](self.request(rid, i, step), timeout=left)
             try:
                 resp = await call
-                return resp.quorum.quorum_id, len(resp.quorum.participants), parse_grant(await call.trailing_metadata()), None
+                grant = parse_lease(await call.trailing_metadata())
+                if grant is not None:  # the members report step stats every report_every steps, as a ManagerServer does
+                    self.every = grant.report_every
+                return resp.quorum.quorum_id, len(resp.quorum.participants), grant.quorum_id if grant else None, None
             except self.grpc.aio.AioRpcError as e:
                 # Seen at N=1024 after a revoke: a call CANCELLED before it reaches the lighthouse's
                 # handler (no metadata, "CANCELLED:CANCELLED"). Asked again, and counted.
@@ -195,13 +199,13 @@ class Groups:
             step = step0 + ticks
             if mode == "reports":
                 msgs = [(c, rpb.AttachRequest(step_report=rpb.StepReport(data=self.templates[i] % (step, step), step=step)))
-                        for i, c in enumerate(self.calls)]
+                        for i, c in enumerate(self.calls)] if step % self.every == 0 else []
             else:  # LivenessStream pings an idle stream once a second: a tenth of them per tick
                 msgs = [(c, ping) for i, c in enumerate(self.calls) if i % 10 == ticks % 10]
             await asyncio.gather(*(c.write(m) for c, m in msgs))
             sent, ticks = sent + len(msgs), ticks + 1
         elapsed = time.perf_counter() - t0
-        return {"ticks": ticks, "sent": sent, "elapsed_s": elapsed, "steps_per_s": ticks / elapsed}
+        return {"ticks": ticks, "sent": sent, "elapsed_s": elapsed, "steps_per_s": ticks / elapsed, "report_every": self.every}
 
     async def rounds(self, rounds: int, step0: int) -> dict:
         out: list[dict] = []

@@ -291,6 +291,14 @@ def format_status(s: dict) -> str:
         lines.append(f"stragglers: {strag.get('policy')} (threshold {strag.get('threshold')}, "
                      f"{strag.get('votes')} of {strag.get('window')} steps); "
                      f"{len(strag.get('excluded') or [])} excluded, {strag.get('evictions_total', 0)} eviction(s)")
+    lease = s.get("lease")
+    if lease:
+        held = (f"quorum {lease['quorum_id']} leased to {len(lease.get('members') or [])} member(s)"
+                if lease.get("quorum_id") is not None else "none in force" if lease.get("enabled") else "off")
+        lines.append(f"lease: {held}; {lease.get('granted_total', 0)} granted, {lease.get('revoked_total', 0)} revoked")
+    role = (s.get("lighthouse") or {}).get("role")
+    if role and role != "single":
+        lines.append(f"this lighthouse: {role} (HA, state {(s.get('lighthouse') or {}).get('state_path')})")
     rows = [("REPLICA", "IN QUORUM", "STEP", "HEARTBEAT AGE", "STATE", "STRAGGLER", "MANAGER")]
     for r in s.get("replicas", []):
         age = r.get("heartbeat_age_s")

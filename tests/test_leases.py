@@ -80,7 +80,8 @@ def test_lease_desk_grants_revokes_and_asks_for_a_fresh_id() -> None:
     assert done is not None and desk.lease is None and desk.fresh_id and desk.holds("a") == 0
     assert desk.revoke(ls.Revoke(3, "joiner", "again")) is None  # nothing in force: nothing to push
     assert desk.grant(_quorum(4, "a"), takes) is not None and not desk.fresh_id  # refused, and the rule is spent
-    assert desk.status() == {"enabled": True, "quorum_id": None, "members": [], "granted_total": 1, "revoked_total": 1}
+    assert desk.status() == {"enabled": True, "quorum_id": None, "members": [], "report_every": None,
+                             "granted_total": 1, "revoked_total": 1}
 
 
 def test_a_revoke_gives_the_next_quorum_a_new_id_even_with_the_same_members() -> None:
@@ -234,6 +235,10 @@ def test_a_peer_down_while_a_leased_round_is_answered_fails_that_round() -> None
     """The PeerDown arrives while the round's quorum is being answered: a quorum from the
     lighthouse leaves the dead peer out, but one from the lease (same id) still has it."""
     ff = _ff(step=10)
+    ff.quorum_arrived(["a", "b"])  # the round before: on the lease with b
+    ff.setup_done()
+    ff.new_round(2, 11)
+    ff.peer_down("c", "stream_broken: connection lost")  # not a member: nothing to remember
     ff.peer_down("b", "stream_broken: connection lost")
     ff.quorum_arrived(["a", "b"])
     ff.setup_done()
@@ -427,5 +432,125 @@ def test_a_revoke_at_attach_gives_the_next_quorum_a_new_id() -> None:
             assert core.quorum_id == first + 1 and core.leases.holds("b") == first + 1
         finally:
             await core.stop()
+
+    asyncio.run(main())
+
+
+def test_rallypoint_status_shows_the_lease_and_the_ha_role() -> None:
+    from rallypoint.cli import format_status
+
+    text = format_status({"quorum_id": 3, "options": {}, "replicas": [],
+                          "lease": {"enabled": True, "quorum_id": 3, "members": ["a", "b"], "granted_total": 2,
+                                    "revoked_total": 1},
+                          "lighthouse": {"role": "standby", "state_path": "etcd://e:1/p"}})
+    assert "lease: quorum 3 leased to 2 member(s); 2 granted, 1 revoked" in text
+    assert "this lighthouse: standby (HA, state etcd://e:1/p)" in text
+    off = format_status({"quorum_id": 0, "options": {}, "replicas": [], "lease": {"enabled": False, "quorum_id": None}})
+    assert "lease: off" in off
+
+
+@pytest.mark.parametrize("members, every", [(2, 1), (32, 1), (33, 2), (64, 2), (256, 8), (1024, 32), (1025, 33)])
+def test_report_every_bounds_the_reports_per_step(members: int, every: int) -> None:
+    assert ls.report_every(members) == every
+    assert members / every <= ls.REPORTS_PER_STEP or every == 1
+
+
+def test_grant_carries_report_every_and_clamps_it() -> None:
+    from rallypoint._net.lease import MAX_REPORT_EVERY, parse_lease
+
+    assert parse_lease([(LEASE_KEY, encode_grant(3, 8))]).report_every == 8  # type: ignore[union-attr]
+    assert parse_lease([(LEASE_KEY, encode_grant(3))]).report_every == 1  # type: ignore[union-attr]
+    assert parse_lease([(LEASE_KEY, encode_grant(3, -5))]).report_every == 1  # type: ignore[union-attr]
+    assert parse_lease([(LEASE_KEY, encode_grant(3, 2**40))]).report_every == MAX_REPORT_EVERY  # type: ignore[union-attr]
+
+
+def _round(step: int, outcome: str = "committed", compute: float = 1.0) -> dict:
+    return {"step": step, "step_stats": {"step": step - 1, "outcome": outcome, "compute_s": compute, "step_s": 2 * compute}}
+
+
+def test_stats_batch_reports_at_multiples_and_sums_the_rounds_between() -> None:
+    from rallypoint.manager._lease import StatsBatch
+
+    b = StatsBatch()
+    assert b.add(_round(5), 5, 1) == [_round(5)]  # every round when report_every is 1
+    assert b.add(_round(6), 6, 4) == [] and b.add(_round(7, compute=2.0), 7, 4) == []
+    (out,) = b.add(_round(8), 8, 4)  # 8 is a multiple of 4: rounds 6, 7 and 8 in one report
+    assert out["step"] == 8 and out["step_stats"]["step"] == 7
+    assert out["step_stats"]["compute_s"] == 4.0 and out["step_stats"]["step_s"] == 8.0
+    assert b.flush() is None
+
+
+def test_stats_batch_never_sums_across_an_outcome_change_and_flushes_what_is_left() -> None:
+    from rallypoint.manager._lease import StatsBatch
+
+    b = StatsBatch()
+    assert b.add(_round(9, "healing", 5.0), 9, 4) == []
+    first, second = b.add(_round(10), 10, 5)  # the heal goes out alone, then 10 (a multiple of 5)
+    assert first["step_stats"]["outcome"] == "healing" and first["step_stats"]["compute_s"] == 5.0
+    assert second["step_stats"]["outcome"] == "committed" and second["step_stats"]["compute_s"] == 1.0
+    assert b.add(_round(11), 11, 5) == []
+    rest = b.flush()
+    assert rest is not None and rest["step"] == 11 and b.flush() is None
+    b.add({"step": 12}, 12, 5)  # a round without step stats (a rank sent none)
+    assert b.add(_round(13), 13, 5) == [] and b.flush()["step_stats"]["compute_s"] == 1.0  # type: ignore[index]
+
+
+def test_a_restarted_lighthouse_treats_its_last_quorum_as_just_revoked(tmp_path) -> None:
+    """Groups still on a lease the restarted lighthouse never granted: the first member to
+    ask tells the others it left (their round past its step fails now instead of hanging),
+    a member re-attaching later hears it too, and the next quorum gets a new id. A stranger
+    attaching changes no id."""
+    from rallypoint.lighthouse.core import LighthouseCore
+    from rallypoint.lighthouse.metrics import LighthouseMetrics
+    from rallypoint.lighthouse.state import StateStore
+
+    path = str(tmp_path / "lh.db")
+    with StateStore(path) as st:
+        st.save_quorum(_quorum(7, "a", "b"))
+        assert st.flush(5.0)
+
+    async def main() -> None:
+        store = StateStore(path)
+        core = LighthouseCore(q.Options(min_replicas=2, join_timeout=0.05), store, LighthouseMetrics())
+        core.start()
+        try:
+            assert core.quorum_id == 7 and core.leases.revoked_lease is not None and core.leases.fresh_id
+            stranger = core.attach("z", "http://z:1", True)
+            _pushed(stranger)
+            a = core.attach("a", "http://a:1", True, held_lease=7)
+            (stale,) = _pushed(a)
+            assert stale.lease_revoke.quorum_id == 7 and not stale.lease_revoke.replica_id
+            asking = asyncio.ensure_future(core.request_quorum(q.Member("a", step=20, world_size=1)))
+            await asyncio.sleep(0)
+            (left,) = _pushed(a)
+            assert (left.lease_revoke.replica_id, left.lease_revoke.after_step) == ("a", 19)
+            b = core.attach("b", "http://b:1", True, held_lease=7)  # b comes back later: it hears both
+            kinds = [(m.lease_revoke.replica_id, m.lease_revoke.quorum_id) for m in _pushed(b)]
+            assert kinds == [("", 7), ("a", 7)]
+            joining = asyncio.ensure_future(core.request_quorum(q.Member("z", step=0, world_size=1)))
+            await asyncio.sleep(0)
+            await asyncio.wait_for(asyncio.gather(asking, joining,
+                                                  core.request_quorum(q.Member("b", step=20, world_size=1))), 10)
+            assert core.quorum_id == 8 and core.previous is not None and len(core.previous.members) == 3
+        finally:
+            await core.stop()
+            store.close()
+
+    asyncio.run(main())
+
+
+def test_a_stranger_attaching_or_leases_off_change_no_quorum_id() -> None:
+    async def main() -> None:
+        for leases in (True, False):
+            core = _core(leases=leases)
+            core.start()
+            try:
+                await asyncio.gather(*(core.request_quorum(q.Member(r, step=1, world_size=1)) for r in ("a", "b")))
+                core.attach("z", "http://z:1", True)  # no lease held, not in the last quorum
+                if not leases:
+                    core.attach("a", "http://a:1", True, held_lease=1)
+                assert not core.leases.fresh_id
+            finally:
+                await core.stop()
 
     asyncio.run(main())

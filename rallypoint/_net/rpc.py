@@ -24,6 +24,10 @@ def server_options(max_send: int = MAX_SEND_BYTES) -> list[tuple[str, int]]:
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
         ("grpc.max_send_message_length", max_send),
+        # Clients ping an idle connection to tell a lost host from a quiet one (below): allow it.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS - 1000),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 
@@ -32,6 +36,23 @@ def channel_options() -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", MAX_SEND_BYTES),
         ("grpc.max_send_message_length", MAX_RECEIVE_BYTES),
+    ]
+
+
+#: How often a lighthouse client pings its connection, and how long it waits for the answer:
+#: a lighthouse host that is lost without a reset (powered off, partitioned) is seen within
+#: about twice this, and its calls and streams fail over to the next address.
+KEEPALIVE_MS = 5000
+
+
+def keepalive_channel_options() -> list[tuple[str, int]]:
+    """``channel_options()`` plus HTTP/2 keepalive pings (the lighthouse clients)."""
+    return [
+        *channel_options(),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 

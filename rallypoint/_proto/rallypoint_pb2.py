@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from . import torchft_pb2 as torchft__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10rallypoint.proto\x12\nrallypoint\x1a\rtorchft.proto\"[\n\x0b\x41ttachHello\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06leases\x18\x03 \x01(\x08\x12\x17\n\x0flease_quorum_id\x18\x04 \x01(\x03\"\x1f\n\rAttachGoodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0c\n\nAttachPing\"(\n\nStepReport\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\xc6\x01\n\rAttachRequest\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.rallypoint.AttachHelloH\x00\x12,\n\x07goodbye\x18\x02 \x01(\x0b\x32\x19.rallypoint.AttachGoodbyeH\x00\x12&\n\x04ping\x18\x03 \x01(\x0b\x32\x16.rallypoint.AttachPingH\x00\x12-\n\x0bstep_report\x18\x04 \x01(\x0b\x32\x16.rallypoint.StepReportH\x00\x42\x06\n\x04kind\"f\n\rAttachWelcome\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_timeout_ms\x18\x02 \x01(\x03\x12$\n\x0blast_quorum\x18\x03 \x01(\x0b\x32\x0f.torchft.Quorum\".\n\x08PeerDown\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1f\n\nLeaseGrant\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\"X\n\x0bLeaseRevoke\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x12\n\nafter_step\x18\x04 \x01(\x03\"\xa2\x01\n\x0e\x41ttachResponse\x12,\n\x07welcome\x18\x01 \x01(\x0b\x32\x19.rallypoint.AttachWelcomeH\x00\x12)\n\tpeer_down\x18\x02 \x01(\x0b\x32\x14.rallypoint.PeerDownH\x00\x12/\n\x0clease_revoke\x18\x03 \x01(\x0b\x32\x17.rallypoint.LeaseRevokeH\x00\x42\x06\n\x04kind\"\x0f\n\rStatusRequest\"\x1e\n\x0eStatusResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"8\n\x12KillReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x13KillReplicaResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"?\n\x0fSupervisorEvent\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"\'\n\x13ReportEventResponse\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x03\"c\n\x0cQuorumStripe\x12\x19\n\x11src_replica_ranks\x18\x01 \x03(\x03\x12\x1d\n\x15src_manager_addresses\x18\x02 \x03(\t\x12\x19\n\x11\x64st_replica_ranks\x18\x03 \x03(\x03\"\x1d\n\rInjectRequest\x12\x0c\n\x04json\x18\x01 \x01(\t\"0\n\x0eInjectResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t2\xfa\x02\n\x14RallypointLighthouse\x12\x43\n\x06\x41ttach\x12\x19.rallypoint.AttachRequest\x1a\x1a.rallypoint.AttachResponse(\x01\x30\x01\x12?\n\x06Status\x12\x19.rallypoint.StatusRequest\x1a\x1a.rallypoint.StatusResponse\x12N\n\x0bKillReplica\x12\x1e.rallypoint.KillReplicaRequest\x1a\x1f.rallypoint.KillReplicaResponse\x12K\n\x0bReportEvent\x12\x1b.rallypoint.SupervisorEvent\x1a\x1f.rallypoint.ReportEventResponse\x12?\n\x06Inject\x12\x19.rallypoint.InjectRequest\x1a\x1a.rallypoint.InjectResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10rallypoint.proto\x12\nrallypoint\x1a\rtorchft.proto\"[\n\x0b\x41ttachHello\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06leases\x18\x03 \x01(\x08\x12\x17\n\x0flease_quorum_id\x18\x04 \x01(\x03\"\x1f\n\rAttachGoodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0c\n\nAttachPing\"(\n\nStepReport\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\xc6\x01\n\rAttachRequest\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.rallypoint.AttachHelloH\x00\x12,\n\x07goodbye\x18\x02 \x01(\x0b\x32\x19.rallypoint.AttachGoodbyeH\x00\x12&\n\x04ping\x18\x03 \x01(\x0b\x32\x16.rallypoint.AttachPingH\x00\x12-\n\x0bstep_report\x18\x04 \x01(\x0b\x32\x16.rallypoint.StepReportH\x00\x42\x06\n\x04kind\"f\n\rAttachWelcome\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_timeout_ms\x18\x02 \x01(\x03\x12$\n\x0blast_quorum\x18\x03 \x01(\x0b\x32\x0f.torchft.Quorum\".\n\x08PeerDown\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"5\n\nLeaseGrant\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x14\n\x0creport_every\x18\x02 \x01(\x03\"X\n\x0bLeaseRevoke\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x12\n\nafter_step\x18\x04 \x01(\x03\"\xa2\x01\n\x0e\x41ttachResponse\x12,\n\x07welcome\x18\x01 \x01(\x0b\x32\x19.rallypoint.AttachWelcomeH\x00\x12)\n\tpeer_down\x18\x02 \x01(\x0b\x32\x14.rallypoint.PeerDownH\x00\x12/\n\x0clease_revoke\x18\x03 \x01(\x0b\x32\x17.rallypoint.LeaseRevokeH\x00\x42\x06\n\x04kind\"\x0f\n\rStatusRequest\"\x1e\n\x0eStatusResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"8\n\x12KillReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x13KillReplicaResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"?\n\x0fSupervisorEvent\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"\'\n\x13ReportEventResponse\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x03\"c\n\x0cQuorumStripe\x12\x19\n\x11src_replica_ranks\x18\x01 \x03(\x03\x12\x1d\n\x15src_manager_addresses\x18\x02 \x03(\t\x12\x19\n\x11\x64st_replica_ranks\x18\x03 \x03(\x03\"\x1d\n\rInjectRequest\x12\x0c\n\x04json\x18\x01 \x01(\t\"0\n\x0eInjectResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t2\xfa\x02\n\x14RallypointLighthouse\x12\x43\n\x06\x41ttach\x12\x19.rallypoint.AttachRequest\x1a\x1a.rallypoint.AttachResponse(\x01\x30\x01\x12?\n\x06Status\x12\x19.rallypoint.StatusRequest\x1a\x1a.rallypoint.StatusResponse\x12N\n\x0bKillReplica\x12\x1e.rallypoint.KillReplicaRequest\x1a\x1f.rallypoint.KillReplicaResponse\x12K\n\x0bReportEvent\x12\x1b.rallypoint.SupervisorEvent\x1a\x1f.rallypoint.ReportEventResponse\x12?\n\x06Inject\x12\x19.rallypoint.InjectRequest\x1a\x1a.rallypoint.InjectResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,29 +48,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PEERDOWN']._serialized_start=534
   _globals['_PEERDOWN']._serialized_end=580
   _globals['_LEASEGRANT']._serialized_start=582
-  _globals['_LEASEGRANT']._serialized_end=613
-  _globals['_LEASEREVOKE']._serialized_start=615
-  _globals['_LEASEREVOKE']._serialized_end=703
-  _globals['_ATTACHRESPONSE']._serialized_start=706
-  _globals['_ATTACHRESPONSE']._serialized_end=868
-  _globals['_STATUSREQUEST']._serialized_start=870
-  _globals['_STATUSREQUEST']._serialized_end=885
-  _globals['_STATUSRESPONSE']._serialized_start=887
-  _globals['_STATUSRESPONSE']._serialized_end=917
-  _globals['_KILLREPLICAREQUEST']._serialized_start=919
-  _globals['_KILLREPLICAREQUEST']._serialized_end=975
-  _globals['_KILLREPLICARESPONSE']._serialized_start=977
-  _globals['_KILLREPLICARESPONSE']._serialized_end=1015
-  _globals['_SUPERVISOREVENT']._serialized_start=1017
-  _globals['_SUPERVISOREVENT']._serialized_end=1080
-  _globals['_REPORTEVENTRESPONSE']._serialized_start=1082
-  _globals['_REPORTEVENTRESPONSE']._serialized_end=1121
-  _globals['_QUORUMSTRIPE']._serialized_start=1123
-  _globals['_QUORUMSTRIPE']._serialized_end=1222
-  _globals['_INJECTREQUEST']._serialized_start=1224
-  _globals['_INJECTREQUEST']._serialized_end=1253
-  _globals['_INJECTRESPONSE']._serialized_start=1255
-  _globals['_INJECTRESPONSE']._serialized_end=1303
-  _globals['_RALLYPOINTLIGHTHOUSE']._serialized_start=1306
-  _globals['_RALLYPOINTLIGHTHOUSE']._serialized_end=1684
+  _globals['_LEASEGRANT']._serialized_end=635
+  _globals['_LEASEREVOKE']._serialized_start=637
+  _globals['_LEASEREVOKE']._serialized_end=725
+  _globals['_ATTACHRESPONSE']._serialized_start=728
+  _globals['_ATTACHRESPONSE']._serialized_end=890
+  _globals['_STATUSREQUEST']._serialized_start=892
+  _globals['_STATUSREQUEST']._serialized_end=907
+  _globals['_STATUSRESPONSE']._serialized_start=909
+  _globals['_STATUSRESPONSE']._serialized_end=939
+  _globals['_KILLREPLICAREQUEST']._serialized_start=941
+  _globals['_KILLREPLICAREQUEST']._serialized_end=997
+  _globals['_KILLREPLICARESPONSE']._serialized_start=999
+  _globals['_KILLREPLICARESPONSE']._serialized_end=1037
+  _globals['_SUPERVISOREVENT']._serialized_start=1039
+  _globals['_SUPERVISOREVENT']._serialized_end=1102
+  _globals['_REPORTEVENTRESPONSE']._serialized_start=1104
+  _globals['_REPORTEVENTRESPONSE']._serialized_end=1143
+  _globals['_QUORUMSTRIPE']._serialized_start=1145
+  _globals['_QUORUMSTRIPE']._serialized_end=1244
+  _globals['_INJECTREQUEST']._serialized_start=1246
+  _globals['_INJECTREQUEST']._serialized_end=1275
+  _globals['_INJECTRESPONSE']._serialized_start=1277
+  _globals['_INJECTRESPONSE']._serialized_end=1325
+  _globals['_RALLYPOINTLIGHTHOUSE']._serialized_start=1328
+  _globals['_RALLYPOINTLIGHTHOUSE']._serialized_end=1706
 # @@protoc_insertion_point(module_scope)

@@ -68,10 +68,12 @@ class PeerDown(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LeaseGrant(_message.Message):
-    __slots__ = ("quorum_id",)
+    __slots__ = ("quorum_id", "report_every")
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORT_EVERY_FIELD_NUMBER: _ClassVar[int]
     quorum_id: int
-    def __init__(self, quorum_id: _Optional[int] = ...) -> None: ...
+    report_every: int
+    def __init__(self, quorum_id: _Optional[int] = ..., report_every: _Optional[int] = ...) -> None: ...
 
 class LeaseRevoke(_message.Message):
     __slots__ = ("quorum_id", "reason", "replica_id", "after_step")

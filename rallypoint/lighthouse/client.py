@@ -27,7 +27,8 @@ from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net import addr as addrs
 from rallypoint._net.auth import bearer_metadata, job_token
-from rallypoint._net.rpc import channel_options, seconds, translate_rpc_error
+from rallypoint._net.limits import MAX_DATA_BYTES
+from rallypoint._net.rpc import keepalive_channel_options, seconds, translate_rpc_error
 from rallypoint._net.tls import TlsConfig, tls_config
 from rallypoint._net.tls import channel as tls_channel
 from rallypoint.lighthouse.quorum import Member, Quorum
@@ -94,7 +95,7 @@ class _Endpoint:
 
     def __init__(self, addr: str, tls: TlsConfig) -> None:
         self.addr = addr
-        self.channel = tls_channel(addrs.grpc_target(addr), addr, tls, channel_options())
+        self.channel = tls_channel(addrs.grpc_target(addr), addr, tls, keepalive_channel_options())
         self._stubs: dict[str, Any] = {}
 
     def unary(self, method: str, request: Any, response: Any) -> Any:
@@ -540,6 +541,8 @@ class LivenessStream:
                     return
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
                     log.error("[%s] liveness stream refused: %s", self.replica_id, e.details())
+                    if self._on_lease_revoke is not None:  # no stream from now on: no lease either
+                        self._on_lease_revoke(rpb.LeaseRevoke(quorum_id=2**62, reason="liveness stream refused"))
                     return
                 why = f"broke ({e.code()}: {e.details()})" if n > 1 else f"broke ({e.code()})"
             self._welcomed.clear()
@@ -565,6 +568,10 @@ class LivenessStream:
         report is dropped: step stats are for scores, not for correctness)."""
         outbox = self._outbox
         if outbox is None or not self._welcomed.is_set() or self._closed.is_set():
+            return False
+        if len(data) > MAX_DATA_BYTES or outbox.qsize() >= 1024:  # the lighthouse would end the stream; or it is stuck
+            log.debug("[%s] step report of step %d dropped (%d bytes, %d queued)", self.replica_id, step, len(data),
+                      outbox.qsize())
             return False
         outbox.put(rpb.AttachRequest(step_report=rpb.StepReport(step=step, data=data)))
         return True

@@ -137,6 +137,7 @@ class LighthouseCore(Scoring):
         self.stragglers = sg.StragglerTracker(stragglers)
         self._sdc_seen: dict[tuple[int, str], None] = {}  # (step, check) of recorded sdc events
         self.leases = ls.LeaseDesk(leases)  # quorum leases (leases.py, LEASES.md)
+        self.leases.restored(self.previous)
         self._expected: dict[str, float] = {}  # members of a just-revoked lease -> waited for until
         self.injections = InjectionDesk()  # `rallypoint inject`: handed out with the next quorum answer
         # The goodput ledger (ledger.py): fed below, saved in the state file now and then.
@@ -214,12 +215,13 @@ class LighthouseCore(Scoring):
         self.metrics.quorum_request()
         # A member asking ends the lease (it takes part in no later round of it); anyone
         # else asking is a joiner, which the members' next round must ask to take in.
-        self.revoke_lease(ls.revoke_for_request(self.leases.lease, rid, member.step, member.commit_failures))
+        if rid not in self.stragglers.excluded(now):  # an evicted straggler's ask joins nothing yet
+            self.revoke_lease(ls.revoke_for_request(self.leases.lease, rid, member.step, member.commit_failures))
         self._expected.pop(rid, None)
         desk = self.leases
         left = ls.left_notice(desk.revoked_lease, desk.left_sent, rid, member.step, member.commit_failures)
         if left is not None and desk.revoked_lease is not None:
-            desk.left_sent = True
+            desk.left_sent, desk.left = True, left
             self._push(desk.revoked_lease.replica_ids, left)
         self._dead.pop(rid, None)
         self._alive(rid, now)
@@ -267,12 +269,16 @@ class LighthouseCore(Scoring):
             self._addresses[rid] = address
         self._alive(rid, self._clock())
         self._update_gauges()
-        if takes_leases:  # written after the welcome: revokes it missed, or a lease this lighthouse never granted
-            stale = ls.revoke_at_attach(self.leases.lease, rid, held_lease, self.quorum_id)
+        desk = self.leases
+        if takes_leases and desk.enabled:  # after the welcome: revokes it missed, or a lease never granted here
+            stale = ls.revoke_at_attach(desk.lease, rid, held_lease, self.quorum_id)
             if stale is not None:
                 att.push(stale.to_pb().SerializeToString())
-                # It must not take up a grant of the current id either: the next quorum gets a new one.
-                self.leases.fresh_id = self.leases.fresh_id or stale.quorum_id >= self.quorum_id
+                # A lease holder (or last member) must not get a grant of the current id: a new one.
+                member = held_lease > 0 or (self.previous is not None and rid in self.previous.replica_id_set)
+                desk.fresh_id = desk.fresh_id or (member and stale.quorum_id >= self.quorum_id)
+            if desk.left is not None and desk.revoked_lease is not None and rid in desk.revoked_lease.replica_id_set:
+                att.push(desk.left.to_pb().SerializeToString())  # a member left while this stream was down
         return att
 
     def revoke_lease(self, revoke: ls.Revoke | None) -> None:
@@ -321,6 +327,8 @@ class LighthouseCore(Scoring):
         """Forget a replica now: no waiting for its heartbeat to expire."""
         if self.leases.holds(rid):  # the revoke goes out before the PeerDown below
             self.revoke_lease(ls.Revoke(self.leases.holds(rid), "member_gone", f"member {rid} is gone ({kind})"))
+        if self.previous is not None and rid in self.previous.replica_id_set:
+            self.leases.fresh_id = True  # a quorum after a member's death never reuses the id it had
         self._dead[rid] = self._clock()
         self.heartbeats.pop(rid, None)
         self._healthy_seen.discard(rid)
@@ -383,6 +391,8 @@ class LighthouseCore(Scoring):
 
     def _form(self, decision: q.Decision, now: float) -> None:
         assert decision.members is not None
+        if getattr(self.store, "strict", False) and not self.store.leads():
+            return  # an HA leader whose lead lapsed forms nothing (its waiters fail when it stops)
         quorum = q.Quorum(decision.quorum_id, decision.members, self._wall())
         first_joined = min(self.pending[m.replica_id].joined for m in quorum.members)
         changed = quorum.quorum_id != self.quorum_id or self.previous is None

@@ -52,6 +52,8 @@ log = logging.getLogger("rallypoint.lighthouse.etcd")
 
 #: Events kept in etcd (the newest; older ones are overwritten in place).
 EVENT_RING = 1000
+#: Event writes to etcd in flight, at most (more are kept in memory only).
+MAX_EVENT_WRITES = 64
 #: Bound of one etcd call, seconds.
 CALL_TIMEOUT_S = 2.0
 SCHEME = "etcd://"
@@ -129,6 +131,7 @@ class EtcdSession:
         self.lost = asyncio.Event()
         self._keeper: asyncio.Task | None = None
         self._qid_written: int | None = None  # the quorum_id this leader last wrote (or read at election)
+        self._cas_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ connection
     async def connect(self, timeout: float) -> None:
@@ -158,7 +161,12 @@ class EtcdSession:
         h, p = self.spec.endpoints[self._endpoint]
         return f"{h}:{p}"
 
-    async def _next_endpoint(self) -> None:
+    async def _next_endpoint(self, failed: Any = None) -> None:
+        """Move to the next endpoint, unless another call already did (``failed`` is not
+        the client in use any more): a burst of failures must not close a fresh client
+        under the calls in flight on it."""
+        if failed is not None and failed is not self._client:
+            return
         old, self._client = self._client, None
         self._endpoint = (self._endpoint + 1) % len(self.spec.endpoints)
         if old is not None:
@@ -177,14 +185,16 @@ class EtcdSession:
         return await asyncio.wait_for(fn(self._client), self.timeout + 0.5)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(client)``, trying each endpoint once before giving up."""
+        """``fn(client)``, trying each endpoint once before giving up (only for calls that
+        may be repeated: reads, puts, lease calls; not the quorum's compare-and-swap)."""
         last: Exception | None = None
         for _ in self.spec.endpoints:
+            client = self._client
             try:
                 return await self._call(fn)
             except Exception as e:  # noqa: BLE001
                 last = e
-                await self._next_endpoint()
+                await self._next_endpoint(client or self._client)
         assert last is not None
         raise last
 
@@ -196,21 +206,26 @@ class EtcdSession:
         announced = False
         while True:
             try:
+                if await self.call(lambda c: c.get(key)) is not None:  # someone leads: no etcd write
+                    if not announced:
+                        log.info("standby: another lighthouse leads (%s); taking over when its etcd lease ends",
+                                 await self.leader_address())
+                        announced = True
+                    await asyncio.sleep(poll)
+                    continue
+                sent = time.monotonic()  # before the grant: etcd's lease cannot end before sent + ttl
                 lease = await self.call(lambda c: c.lease(self.ttl))
-                sent = time.monotonic()
                 ok, _ = await self.call(lambda c: c.transaction(
                     compare=[c.transactions.create(key) == 0],
                     success=[c.transactions.put(key, value, lease=lease)], failure=[]))
                 if ok:
                     self._lease, self.leader_until = lease, sent + lease.ttl
                     self.lost.clear()
-                    self._keeper = asyncio.ensure_future(self._keep_alive())
+                    if self._keeper is not None:
+                        self._keeper.cancel()
+                    self._keeper = asyncio.ensure_future(self._keep_alive(lease))
                     return
                 await self.call(lambda c: c.revoke_lease(lease.id))
-                if not announced:
-                    log.info("standby: another lighthouse leads (%s); taking over when its etcd lease ends",
-                             await self.leader_address())
-                    announced = True
             except Exception as e:  # noqa: BLE001 - etcd unreachable for now: keep trying
                 log.warning("election: etcd call failed (%s: %s); retrying", type(e).__name__, e)
             await asyncio.sleep(poll)
@@ -226,16 +241,22 @@ class EtcdSession:
     def leads(self) -> bool:
         return not self.lost.is_set() and time.monotonic() < self.leader_until
 
-    async def _keep_alive(self) -> None:
-        lease = self._lease
-        while not self.lost.is_set():
+    async def _keep_alive(self, lease: Any) -> None:
+        """Refresh this term's etcd lease every ttl/4. Leadership ends at ``leader_until``
+        whatever the calls in flight do: a refresh is bounded by the time left, and the
+        lighthouse steps down the moment it runs out."""
+        while not self.lost.is_set() and self._lease is lease:
             await asyncio.sleep(lease.ttl / 4)
             sent = time.monotonic()
+            left = self.leader_until - sent
             try:
-                reply = await self.call(lambda c: c.refresh_lease(lease.id))
+                if left <= 0:
+                    raise TimeoutError("no keep-alive acknowledged within the lease")
+                reply = await asyncio.wait_for(self.call(lambda c: c.refresh_lease(lease.id)), left)
                 if reply is None or reply.TTL <= 0:
                     raise RuntimeError("etcd says the lease has expired")
-                self.leader_until = sent + reply.TTL
+                if self._lease is lease:
+                    self.leader_until = sent + reply.TTL
             except Exception as e:  # noqa: BLE001
                 if time.monotonic() >= self.leader_until:
                     self._step_down(f"etcd session lost ({type(e).__name__}: {e})")
@@ -247,7 +268,10 @@ class EtcdSession:
         if not self.lost.is_set():
             log.error("no longer the leader: %s; refusing quorums from now on", why)
             self.leader_until = 0.0
+            self._lease = None
             self.lost.set()
+            if self._keeper is not None and self._keeper is not asyncio.current_task():
+                self._keeper.cancel()
 
     async def resign(self) -> None:
         """Give the leader key up now (a clean stop), so a standby takes over at once."""
@@ -307,17 +331,28 @@ class EtcdSession:
                 c.transactions.put(qkey, str(quorum.quorum_id).encode()),
                 c.transactions.put(self.spec.key("quorum"), quorum_json(quorum).encode())], failure=[])
 
+        async with self._cas_lock:
+            try:
+                ok, _ = await self._call(txn)  # once: a txn that timed out may have committed
+            except Exception as e:  # noqa: BLE001
+                ok = await self._committed(quorum.quorum_id, e)
+            if ok:
+                self._qid_written = quorum.quorum_id
+            else:
+                self._step_down(f"the compare-and-swap of quorum_id {expected} -> {quorum.quorum_id} failed "
+                                f"(this lighthouse ({ident}) does not lead any more, or cannot reach etcd)")
+            return bool(ok)
+
+    async def _committed(self, quorum_id: int, error: Exception) -> bool:
+        """After a failed compare-and-swap call: did it commit anyway (read back)?"""
+        log.warning("writing quorum %d to etcd failed (%s: %s); reading it back", quorum_id, type(error).__name__, error)
         try:
-            ok, _ = await self.call(txn)
-        except Exception as e:  # noqa: BLE001
-            log.warning("writing quorum %d to etcd failed: %s", quorum.quorum_id, e)
+            got = await self.call(lambda c: c.get(self.spec.key("quorum_id")))
+            leader = await self.call(lambda c: c.get(self.spec.key("leader")))
+        except Exception:  # noqa: BLE001 - cannot tell: not confirmed
             return False
-        if ok:
-            self._qid_written = quorum.quorum_id
-        else:
-            self._step_down(f"the compare-and-swap of quorum_id {expected} -> {quorum.quorum_id} failed "
-                            f"(another lighthouse ({ident!r} is not the leader any more) wrote since)")
-        return bool(ok)
+        return (got is not None and int(got.value) == quorum_id and leader is not None
+                and json.loads(leader.value).get("identity") == self.identity)
 
     async def put_event(self, event: Event) -> None:
         doc = {"id": event.id, "time": event.time, "kind": event.kind, "replica_id": event.replica_id,
@@ -359,6 +394,9 @@ class EtcdStore(StateStore):
 
     def record_event(self, kind: str, replica_id: str | None = None, **detail: Any) -> Event:
         event = super().record_event(kind, replica_id, **detail)
+        if len(self._tasks) >= MAX_EVENT_WRITES:  # etcd is slow: this one stays in memory only
+            log.debug("event %d not written to etcd: %d writes in flight", event.id, len(self._tasks))
+            return event
         task = self._loop.create_task(self._put(event))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -375,11 +413,17 @@ class EtcdStore(StateStore):
         if quorum is None:
             return True
         fut = asyncio.run_coroutine_threadsafe(self._session.cas_quorum(quorum), self._loop)
-        try:
-            return bool(fut.result(timeout))
-        except Exception:  # noqa: BLE001 - timed out or failed: not confirmed
+        try:  # the compare-and-swap has its own bound (a read-back included): wait for it
+            ok = bool(fut.result(max(timeout, 4 * self._session.timeout + 2)))
+        except Exception:  # noqa: BLE001 - not confirmed
             fut.cancel()
-            return False
+            ok = False
+        if not ok:  # never answer it, and stop leading: the next leader reads what etcd holds
+            self._loop.call_soon_threadsafe(self._session._step_down, f"quorum {quorum.quorum_id} not confirmed in etcd")
+        return ok
+
+    def leads(self) -> bool:
+        return self._session.leads()
 
     def close(self, timeout: float = 5.0) -> None:
         for task in list(self._tasks):

@@ -59,32 +59,38 @@ class Leadership:
                 campaign.cancel()
                 return
             try:
-                restored, events = await self.session.load()
-            except Exception as e:  # noqa: BLE001 - cannot read the state: give the lead up, try again
-                log.error("elected, but reading the state from etcd failed (%s); resigning", e)
+                await self._term(loop, stop)
+            except Exception:  # noqa: BLE001 - a bug in one term must not leave the job without a leader
+                log.exception("leading failed; resigning and standing by")
+                self.core = None
                 await self.session.resign()
                 await asyncio.sleep(0.5)
-                continue
-            store = EtcdStore(self.session, restored, events, loop)
-            core = self._make_core(store)
-            core.start()
-            self.core = core
-            self._install(core)
-            self.terms += 1
-            self.elected.set()
-            log.warning("leading the job from %s (term %d): quorum_id %d, last quorum %s", self.session.spec,
-                        self.terms, restored.quorum_id,
-                        list(restored.last_quorum.replica_ids) if restored.last_quorum else "none")
-            lost = asyncio.ensure_future(self.session.lost.wait())
-            stopping = asyncio.ensure_future(stop.wait())
+
+    async def _term(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+        """One term: load the state, serve from a fresh core until the lead is lost or ``stop``."""
+        restored, events = await self.session.load()
+        store = EtcdStore(self.session, restored, events, loop)
+        core = self._make_core(store)
+        core.start()
+        self.core = core
+        self._install(core)
+        self.terms += 1
+        self.elected.set()
+        log.warning("leading the job from %s (term %d): quorum_id %d, last quorum %s", self.session.spec,
+                    self.terms, restored.quorum_id,
+                    list(restored.last_quorum.replica_ids) if restored.last_quorum else "none")
+        lost = asyncio.ensure_future(self.session.lost.wait())
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
             await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
             lost.cancel()
             stopping.cancel()
             self.core = None
             await core.stop()  # waiting calls fail, streams end: the groups go to the new leader
             store.close()
-            if not stop.is_set():
-                log.warning("stepped down; standing by")
+        if not stop.is_set():
+            log.warning("stepped down; standing by")
 
     async def close(self) -> None:
         """Give the lead up now (a clean stop), so a standby takes over without waiting

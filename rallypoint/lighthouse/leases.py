@@ -10,11 +10,15 @@ id) for the core, which runs on the lighthouse's event loop and needs no lock.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint.lighthouse.quorum import Quorum
+
+#: Step reports the lighthouse takes per step of a lease, at most (summed over its members).
+REPORTS_PER_STEP = 32
 
 #: Why revokes happen; the label values of ``rallypoint_lease_revokes_total``.
 REVOKE_REASONS = ("joiner", "member_asked", "member_gone", "evicted", "injection", "kill", "stale")
@@ -56,6 +60,16 @@ def grant_refusal(members: Collection[str], takes_leases: Mapping[str, bool], en
         if not takes_leases[rid]:
             return f"member {rid} does not take leases (a torchft client, or leases turned off there)"
     return None
+
+
+def report_every(members: int, per_step: int = REPORTS_PER_STEP) -> int:
+    """How often (in steps) each member of a lease of ``members`` groups reports its step
+    stats: every step up to ``per_step`` members, then less often, so that the lighthouse
+    takes at most about ``per_step`` reports per step however large the job. Every member
+    reports the same steps (multiples of the result), so straggler scores still compare
+    groups at the same step; each report sums the rounds since the last one, so the goodput
+    ledger still sees all of them."""
+    return max(1, math.ceil(members / max(1, per_step)))
 
 
 def after_step(step: int, commit_failures: int) -> int:
@@ -126,7 +140,9 @@ class LeaseDesk:
         self.lease: Quorum | None = None
         self.revoked_lease: Quorum | None = None  # the lease revoked since the last quorum formed
         self.left_sent = False  # a member of it asked and the others were told (left_notice)
+        self.left: Revoke | None = None  # that notice (or the member_asked revoke), replayed at re-attach
         self.fresh_id = False
+        self.report_every = 1  # of the lease in force (see report_every())
         self.granted = 0
         self.revoked = 0
 
@@ -134,11 +150,12 @@ class LeaseDesk:
         """Called for every quorum formed: grants it (returns None) or says why not. A
         quorum formed after a revoke has a new id; the desk's rule is spent by it."""
         self.fresh_id = False
-        self.revoked_lease, self.left_sent = None, False
+        self.revoked_lease, self.left_sent, self.left = None, False, None
         why = grant_refusal(quorum.replica_ids, takes_leases, self.enabled)
         self.lease = quorum if why is None else None
         if why is None:
             self.granted += 1
+            self.report_every = report_every(len(quorum.members))
         return why
 
     def revoke(self, revoke: Revoke | None) -> Revoke | None:
@@ -147,10 +164,19 @@ class LeaseDesk:
         if revoke is None or self.lease is None or self.lease.quorum_id > revoke.quorum_id:
             return None
         self.revoked_lease, self.left_sent = self.lease, bool(revoke.replica_id)
+        self.left = revoke if revoke.replica_id else None
         self.lease = None
         self.fresh_id = True
         self.revoked += 1
         return revoke
+
+    def restored(self, last: Quorum | None) -> None:
+        """A lighthouse starting on saved state (a restart, an HA election): its last
+        quorum may be leased by groups that this process never told anything. Treat it as
+        a just-revoked lease: the first member to ask tells the others (left_notice), and
+        the next quorum gets a new id."""
+        if last is not None and self.enabled:
+            self.revoked_lease, self.left_sent, self.left, self.fresh_id = last, False, None, True
 
     def holds(self, replica_id: str) -> int:
         """The quorum_id of the lease in force when ``replica_id`` is a member, else 0."""
@@ -163,10 +189,11 @@ class LeaseDesk:
             "enabled": self.enabled,
             "quorum_id": lease.quorum_id if lease is not None else None,
             "members": list(lease.replica_ids) if lease is not None else [],
+            "report_every": self.report_every if lease is not None else None,
             "granted_total": self.granted,
             "revoked_total": self.revoked,
         }
 
 
-__all__ = ["REVOKE_REASONS", "LeaseDesk", "Revoke", "after_step", "grant_refusal", "left_notice", "revoke_at_attach",
+__all__ = ["REPORTS_PER_STEP", "REVOKE_REASONS", "report_every", "LeaseDesk", "Revoke", "after_step", "grant_refusal", "left_notice", "revoke_at_attach",
            "revoke_for_request"]

@@ -148,7 +148,7 @@ class _Service:
             trailing.append((INJECT_KEY, encode_injections(injections)))
         leased = self.core.leases.holds(member.replica_id)
         if leased:  # the quorum just answered is leased (LEASES.md); nothing revoked it since
-            trailing.append((LEASE_KEY, encode_grant(leased)))
+            trailing.append((LEASE_KEY, encode_grant(leased, self.core.leases.report_every)))
         if trailing:
             context.set_trailing_metadata(tuple(trailing))
         return answer
@@ -413,6 +413,15 @@ class LighthouseServer:
             server = grpc.aio.server(options=server_options(), interceptors=interceptors)
             view = _View(core, metrics, self._token, self._tls, self._on_restart)
             service = _Service(core, metrics, view)
+            ha: Leadership | None = None
+            if session is not None:  # gated before the first call can arrive: a standby answers nothing
+                def install(elected: LighthouseCore) -> None:
+                    self.core = elected
+                    service.install(elected)
+
+                self.leadership = ha = Leadership(session, "", make_core, install)
+                service.leads = view.leads = ha.leads
+                view.role = ha.role
             server.add_generic_rpc_handlers(_handlers(service))
             try:
                 port = add_port(server, self._bind, self._tls)
@@ -422,7 +431,8 @@ class LighthouseServer:
                 raise OSError(f"cannot bind the lighthouse to {self._bind} (address in use?)")
             self._port = port
             await server.start()
-            core.start()
+            if session is None:
+                core.start()  # an HA standby's placeholder core never runs: it only answers status
             if self._http_bind:
                 http = HttpService(create_app(view, self._token), self._http_bind, tls=self._tls)
                 await http.start()
@@ -441,14 +451,8 @@ class LighthouseServer:
                 self._stragglers.describe(),
                 "on" if self._leases else "off",
             )
-            if session is not None:
-                def install(elected: LighthouseCore) -> None:
-                    self.core = elected
-                    service.install(elected)
-
-                self.leadership = ha = Leadership(session, self.address(), make_core, install)
-                service.leads = view.leads = ha.leads
-                view.role = ha.role
+            if ha is not None and session is not None:
+                ha.address = self.address()
                 election = asyncio.ensure_future(ha.run(self._stop))
                 log.info("HA lighthouse: standby until elected (state %s)", session.spec)
             self._ready.set()

@@ -64,7 +64,7 @@ class FailFast:
         self._lost_peer: tuple[int, Exception] | None = None  # (round, why): a quorum member died
         # (quorum_id, replica_id, after_step, why): that member takes part in no round of that
         # quorum past after_step (it left a lease, or died while a round was being answered).
-        self._left: tuple[int, str, int, Exception] | None = None
+        self._left: dict[tuple[int, str], tuple[int, Exception]] = {}
 
     # ------------------------------------------------------------------ round facts
     def new_round(self, rnd: int, step: int) -> None:
@@ -142,8 +142,9 @@ class FailFast:
                 # This step's quorum is still being formed: the lighthouse leaves the dead peer out.
                 # A quorum answered from a lease just before its revoke still has it: then
                 # this round's collectives (same quorum id) fail at once instead of hanging.
-                self._left = (self.quorum_id, replica_id, -1,
-                              ConnectionError(f"peer replica {replica_id} went down ({reason})"))
+                if replica_id in self._members and replica_id != self.replica_id:
+                    self._note_left(self.quorum_id, replica_id, -1,
+                                    ConnectionError(f"peer replica {replica_id} went down ({reason})"))
                 self.log.info("peer %s is down (%s) while a quorum forms; not aborting", replica_id, reason)
                 return
             if replica_id not in self._members or replica_id == self.replica_id:
@@ -172,13 +173,19 @@ class FailFast:
     def _left_error(self) -> Exception | None:
         """The error of a member that left this round's lease (see :meth:`left_lease`), or
         None. Called with the lock held."""
-        left = self._left
-        if left is None or not self._arrived:
+        if not self._left or not self._arrived:
             return None
-        quorum_id, replica_id, after_step, err = left
-        if quorum_id != self.quorum_id or self._step <= after_step or replica_id not in self._members:
-            return None
-        return err
+        for (quorum_id, replica_id), (after_step, err) in self._left.items():
+            if quorum_id == self.quorum_id and self._step > after_step and replica_id in self._members:
+                return err
+        return None
+
+    def _note_left(self, quorum_id: int, replica_id: str, after_step: int, err: Exception) -> None:
+        """Remember that ``replica_id`` is in no round of ``quorum_id`` past ``after_step``
+        (lock held). Only the last few quorums matter: a later quorum has a new id."""
+        self._left[(quorum_id, replica_id)] = (after_step, err)
+        while len(self._left) > 16:
+            del self._left[next(iter(self._left))]
 
     def left_lease(self, replica_id: str, reason: str, quorum_id: int, after_step: int) -> None:
         """The lighthouse says ``replica_id`` takes part in no round of the lease of
@@ -189,7 +196,7 @@ class FailFast:
         err = ConnectionError(f"peer replica {replica_id} left the lease of quorum {quorum_id} after step "
                               f"{after_step} ({reason})")
         with self._lock:
-            self._left = (quorum_id, replica_id, after_step, err)
+            self._note_left(quorum_id, replica_id, after_step, err)
             now = self._left_error()
             busy = now is not None and any(not w.finished() for w in self._works)
         if busy:

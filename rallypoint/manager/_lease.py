@@ -22,6 +22,7 @@ class Lease:
 
     quorum: Quorum
     next_step: int
+    report_every: int = 1  # report step stats at steps that are multiples of this (the grant says)
 
     @property
     def quorum_id(self) -> int:
@@ -72,6 +73,7 @@ class LeaseHolder:
         self._lease: Lease | None = None
         self._revoked_upto = 0
         self.served = 0  # rounds answered from a lease
+        self.report_every = 1  # of the lease that served the last round
 
     def held(self) -> int:
         """The quorum_id of the lease held, 0 when none (for the stream's hello)."""
@@ -79,7 +81,7 @@ class LeaseHolder:
             lease = self._lease
             return lease.quorum_id if lease is not None and lease.quorum_id > self._revoked_upto else 0
 
-    def grant(self, quorum: Quorum) -> bool:
+    def grant(self, quorum: Quorum, report_every: int = 1) -> bool:
         """Take up ``quorum`` as a lease (it came with a grant). False when a revoke of its
         id arrived first."""
         next_step = max((m.step for m in quorum.members), default=0) + 1
@@ -87,7 +89,7 @@ class LeaseHolder:
             if quorum.quorum_id <= self._revoked_upto:
                 self._lease = None
                 return False
-            self._lease = Lease(quorum, next_step)
+            self._lease = Lease(quorum, next_step, max(1, report_every))
             return True
 
     def revoke(self, quorum_id: int) -> bool:
@@ -109,9 +111,51 @@ class LeaseHolder:
             if why is not None or lease is None:
                 self._lease = None
                 return None, why or "no lease held"
-            self._lease = Lease(lease.quorum, step + 1)
+            self._lease = Lease(lease.quorum, step + 1, lease.report_every)
             self.served += 1
+            self.report_every = lease.report_every
             return leased_quorum(lease.quorum, step), ""
 
 
-__all__ = ["Lease", "LeaseHolder", "lease_refusal", "leased_quorum"]
+#: The step-stats fields that are durations: summed over the rounds a report covers.
+SUMMED = ("step_s", "compute_s", "quorum_wait_s", "comm_s", "heal_s", "commit_s", "configure_s")
+
+
+class StatsBatch:
+    """The step stats of leased rounds between two reports (``report_every``, from the
+    grant). A report is due at steps that are multiples of ``every``, and it sums the
+    durations of the rounds since the last one, so straggler scores compare every group
+    at the same steps while the goodput ledger still gets every second. A round whose
+    outcome differs from the ones gathered so far (a heal, say) is never summed with
+    them: what was gathered goes out first. Used on the ManagerServer's event loop."""
+
+    def __init__(self) -> None:
+        self._data: dict | None = None
+
+    def add(self, data: dict, step: int, every: int) -> list[dict]:
+        """Take the report ``data`` of the round at ``step``; the reports due now (0-2)."""
+        out: list[dict] = []
+        acc = self._data
+        stats, held = data.get("step_stats"), (acc or {}).get("step_stats")
+        if acc is not None and stats is not None and held is not None and held.get("outcome") != stats.get("outcome"):
+            out.append(acc)
+            acc = held = None
+        merged = dict(data)
+        if stats is not None and held is not None:
+            merged["step_stats"] = {**stats, **{k: held[k] + stats[k] for k in SUMMED if k in held and k in stats}}
+        elif held is not None:
+            merged["step_stats"] = held
+        if every <= 1 or step % every == 0:
+            out.append(merged)
+            self._data = None
+        else:
+            self._data = merged
+        return out
+
+    def flush(self) -> dict | None:
+        """What was gathered and not reported yet (the lease ended), or None."""
+        data, self._data = self._data, None
+        return data
+
+
+__all__ = ["SUMMED", "Lease", "LeaseHolder", "StatsBatch", "lease_refusal", "leased_quorum"]

@@ -44,7 +44,7 @@ import grpc
 
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net.auth import TokenInterceptor, job_token
-from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES, MAX_REASON_BYTES, utf8_len
+from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES, MAX_REASON_BYTES, MAX_REPLICA_ID_BYTES, utf8_len
 from rallypoint._net.rpc import seconds, server_options, unary_handler
 from rallypoint._net.tls import TlsConfig, add_port, check_server, tls_config
 from rallypoint._net.addr import is_loopback, split_host_port
@@ -54,9 +54,9 @@ from rallypoint.manager.client import stripe_metadata
 from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
 from rallypoint.manager import rules
 from rallypoint._net.inject import INJECT_KEY, parse_injections
-from rallypoint._net.lease import parse_grant
+from rallypoint._net.lease import Grant, parse_lease
 from rallypoint._proto import rallypoint_pb2 as rpb
-from rallypoint.manager._lease import LeaseHolder
+from rallypoint.manager._lease import LeaseHolder, StatsBatch
 from rallypoint.manager._inprocess import InProcessCalls, _Failure
 from rallypoint.manager._votes import RANK_KEY_HEADER, CommitVotes, claim_rank, new_future, new_rank_key
 
@@ -95,7 +95,7 @@ class _QuorumRound:
     result: asyncio.Future = field(default_factory=new_future)
     fired: bool = False
     inject: bytes = b""  # checked fault injections the lighthouse handed the group with its answer
-    grant: int | None = None  # the quorum_id the lighthouse granted as a lease with its answer
+    grant: Grant | None = None  # the lease the lighthouse granted with its answer
 
 
 def _default_kill(msg: str) -> None:
@@ -162,9 +162,12 @@ class ManagerServer(InProcessCalls):
         check_server(self._tls, f"the manager server of replica {replica_id}", bind_host, self._token, is_loopback(bind_host))
         self._on_kill = on_kill or _default_kill
         self._on_peer_down = on_peer_down
-        # Quorum leases: on unless turned off here or by RALLYPOINT_LEASES=0; they need the stream.
-        self._leasing = liveness and (leases if leases is not None else os.environ.get("RALLYPOINT_LEASES", "1") != "0")
+        # Quorum leases: on unless turned off here or by RALLYPOINT_LEASES=0. They need the stream,
+        # and someone to fail a round a member left (the Manager's FailFast, via on_lease_left).
+        self._leasing = liveness and on_lease_left is not None and (
+            leases if leases is not None else os.environ.get("RALLYPOINT_LEASES", "1") != "0")
         self._lease = LeaseHolder()
+        self._reports = StatsBatch()  # step stats of leased rounds, reported every report_every steps
         self._on_lease_left = on_lease_left
 
         # Loop-thread state.
@@ -276,10 +279,12 @@ class ManagerServer(InProcessCalls):
     def _lease_revoked(self, msg: rpb.LeaseRevoke) -> None:
         """The lighthouse revoked leases up to ``msg.quorum_id`` (liveness thread). When a
         member left the lease, rounds of it past ``msg.after_step`` fail now (FailFast)."""
+        reason = msg.reason[:MAX_REASON_BYTES]  # from the network: bounded before it is logged or relayed
         if self._lease.revoke(msg.quorum_id):
-            log.info("[%s] lease of quorum %d revoked: %s", self.replica_id, msg.quorum_id, msg.reason)
-        if msg.replica_id and msg.replica_id != self.replica_id and self._on_lease_left is not None:
-            self._on_lease_left(msg.replica_id, msg.reason, msg.quorum_id, msg.after_step)
+            log.info("[%s] lease of quorum %d revoked: %s", self.replica_id, msg.quorum_id, reason)
+        if msg.replica_id and len(msg.replica_id) <= MAX_REPLICA_ID_BYTES and msg.replica_id != self.replica_id \
+                and self._on_lease_left is not None:
+            self._on_lease_left(msg.replica_id, reason, msg.quorum_id, msg.after_step)
 
     def _from_lease(self, rnd: _QuorumRound) -> bool:
         """Answer ``rnd`` from the lease when the rule allows (``_lease.lease_refusal``); its
@@ -293,6 +298,9 @@ class ManagerServer(InProcessCalls):
             if held:
                 log.info("[%s] step %d asks the lighthouse instead of using lease %d: %s", self.replica_id, rnd.step,
                          held, why)
+            rest = self._reports.flush()
+            if rest is not None and self._liveness is not None:
+                self._liveness.report(int(rest.get("step", rnd.step)), json.dumps(rest))
             return False
         log.debug("[%s] step %d starts on lease %d", self.replica_id, rnd.step, quorum.quorum_id)
         rnd.result.set_result(quorum)
@@ -300,7 +308,8 @@ class ManagerServer(InProcessCalls):
             group = rules.aggregate_requests(rnd.step, self.world_size, [
                 rules.RankRequest(g, r.shrink_only, r.commit_failures, r.init_sync, rnd.stats.get(g))
                 for g, r in rnd.requests.items()], rnd.first_at, time.monotonic())
-            self._liveness.report(rnd.step, json.dumps(group.data))
+            for data in self._reports.add(group.data, rnd.step, self._lease.report_every):
+                self._liveness.report(int(data.get("step", rnd.step)), json.dumps(data))
         return True
 
     # ------------------------------------------------------------------ gRPC
@@ -411,7 +420,7 @@ class ManagerServer(InProcessCalls):
     def _injections(self, rnd: _QuorumRound, trailing: Any) -> None:
         """Fault injections the lighthouse handed this group with its answer: checked, then
         passed to every rank with its result (``rallypoint inject``); and its lease grant."""
-        rnd.grant = parse_grant(trailing)
+        rnd.grant = parse_lease(trailing)
         raw = next((v for k, v in trailing or () if k == INJECT_KEY), b"")
         try:
             if parse_injections(raw):
@@ -454,7 +463,9 @@ class ManagerServer(InProcessCalls):
             self._fan_out_failure(rnd, error)
             return
         log.info("[%s] quorum %d formed with %d members", self.replica_id, quorum.quorum_id, len(quorum.members))
-        if self._leasing and rnd.grant == quorum.quorum_id and self._lease.grant(quorum):
+        grant = rnd.grant
+        if self._leasing and grant is not None and grant.quorum_id == quorum.quorum_id \
+                and self._lease.grant(quorum, grant.report_every):
             log.info("[%s] quorum %d is leased: later steps start without asking the lighthouse", self.replica_id,
                      quorum.quorum_id)
         if not rnd.result.done():
