@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 import grpc
 
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net import addr as addrs
-from rallypoint._net.auth import bearer_metadata, job_token
-from rallypoint._net.limits import MAX_DATA_BYTES
-from rallypoint._net.rpc import keepalive_channel_options, seconds, translate_rpc_error
+from rallypoint._net.rpc import seconds, translate_rpc_error
 from rallypoint._net.tls import TlsConfig, tls_config
-from rallypoint._net.tls import channel as tls_channel
 from rallypoint.lighthouse.quorum import Member, Quorum
 from rallypoint.lighthouse.validate import member_from_pb
 
@@ -52,81 +48,19 @@ _MIN_ATTEMPT_S = 0.02
 #: reachable (see ``LighthouseClient._first_ready``).
 _PREFER_GRACE_S = 0.1
 
+from rallypoint.lighthouse._channels import _Endpoint, _endpoints, _metadata, _not_leader, split_addresses  # noqa: E402,F401
+
 _QUORUM = "/torchft.LighthouseService/Quorum"
 _HEARTBEAT = "/torchft.LighthouseService/Heartbeat"
 _STATUS = "/rallypoint.RallypointLighthouse/Status"
 _KILL = "/rallypoint.RallypointLighthouse/KillReplica"
 _INJECT = "/rallypoint.RallypointLighthouse/Inject"
 _REPORT_EVENT = "/rallypoint.RallypointLighthouse/ReportEvent"
-_ATTACH = "/rallypoint.RallypointLighthouse/Attach"
-
-
-def split_addresses(addr: str) -> list[str]:
-    """``"http://a:1, http://b:2"`` -> ``["http://a:1", "http://b:2"]`` (stripped, empty
-    parts dropped, order kept: the first is tried first). ValueError naming ``addr`` when
-    no address is left, so an empty ``RALLYPOINT_LIGHTHOUSE`` fails at start-up."""
-    parts = [a.strip() for a in addr.split(",")]
-    found = [a for a in parts if a]
-    if not found:
-        raise ValueError(f"no lighthouse address in {addr!r}: expected host:port, http://host:port "
-                         "or a comma-separated list of them")
-    return found
-
-
-def _metadata(token: str | None) -> list[tuple[str, str]] | None:
-    """The call metadata of the job token (the argument, else RALLYPOINT_TOKEN)."""
-    return bearer_metadata(job_token(token))
-
-
-def _not_leader(e: grpc.RpcError) -> bool:
-    """Whether a failed call should go to the next lighthouse: UNAVAILABLE is what a
-    standby, a leader that just lost its lease and a dead address all answer."""
-    return e.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def quorum_from_pb(msg: pb.Quorum) -> Quorum:
     created = msg.created.seconds + msg.created.nanos / 1e9
     return Quorum(msg.quorum_id, tuple(member_from_pb(p) for p in msg.participants), created)
-
-
-class _Endpoint:
-    """One lighthouse of the list: its address, its channel and the stubs made on it
-    (made once: a stub per call would cost an allocation on every heartbeat)."""
-
-    def __init__(self, addr: str, tls: TlsConfig) -> None:
-        self.addr = addr
-        self.channel = tls_channel(addrs.grpc_target(addr), addr, tls, keepalive_channel_options())
-        self._stubs: dict[str, Any] = {}
-
-    def unary(self, method: str, request: Any, response: Any) -> Any:
-        stub = self._stubs.get(method)
-        if stub is None:
-            stub = self.channel.unary_unary(method, request_serializer=request.SerializeToString,
-                                            response_deserializer=response.FromString)
-            self._stubs[method] = stub  # a race makes two equal stubs: harmless
-        return stub
-
-    def attach(self) -> Any:
-        stub = self._stubs.get(_ATTACH)
-        if stub is None:
-            stub = self._stubs[_ATTACH] = self.channel.stream_stream(
-                _ATTACH, request_serializer=rpb.AttachRequest.SerializeToString,
-                response_deserializer=rpb.AttachResponse.FromString)
-        return stub
-
-
-def _endpoints(addresses: list[str], tls: TlsConfig) -> list[_Endpoint]:
-    """One endpoint per address; if one cannot be made (a bad address, clear text where
-    TLS is required), the channels already opened are closed before the error goes up."""
-    made: list[_Endpoint] = []
-    try:
-        for a in addresses:
-            made.append(_Endpoint(a, tls))
-    except BaseException:
-        for ep in made:
-            ep.channel.close()
-        raise
-    return made
 
 
 class _CallFailed(Exception):
@@ -406,200 +340,7 @@ def _translate(e: grpc.RpcError, what: str, timeout: float) -> Exception:
     return translate_rpc_error(e, what, timeout, " (no quorum formed in time)")
 
 
-class LivenessStream:
-    """Holds rallypoint's ``Attach`` stream open so that the lighthouse sees this
-    replica's death within milliseconds of the process dying (the kernel closes the
-    connection), and pushes ``PeerDown`` notices for other replicas to ``on_peer_down``.
-
-    ``close()`` sends a goodbye first, so a clean shutdown is not counted as a crash.
-    The stream reconnects (with capped backoff) until closed. Pings every
-    ``ping_interval`` seconds also count as heartbeats. Talking to a lighthouse without
-    the extension (torchft's) is harmless: the stream is UNIMPLEMENTED and is not retried.
-
-    With several lighthouses (``addr`` comma-separated), a stream refused or broken moves
-    to the next one at once; only after each was tried once does it back off, so a
-    failover to a new leader costs one pass over the list, not a backoff per standby.
-    """
-
-    def __init__(
-        self,
-        addr: str,
-        replica_id: str,
-        address: str = "",
-        *,
-        token: str | None = None,
-        tls: TlsConfig | None = None,
-        ping_interval: float | None = 1.0,
-        on_peer_down: Callable[[str, str], None] | None = None,
-        reconnect_backoff: tuple[float, float] = (0.1, 2.0),
-        held_lease: Callable[[], int] | None = None,
-        on_lease_revoke: Callable[[rpb.LeaseRevoke], None] | None = None,
-    ) -> None:
-        self.addr = addr
-        self.addresses = split_addresses(addr)
-        self.replica_id = replica_id
-        self.address = address
-        self._metadata = _metadata(token)
-        self._ping_interval = ping_interval
-        self._on_peer_down = on_peer_down
-        # Quorum leases (LEASES.md): the hello says we take them and which one we hold;
-        # None: this replica takes none (its quorums are never leased).
-        self._held_lease = held_lease
-        self._on_lease_revoke = on_lease_revoke
-        self._backoff = reconnect_backoff
-        self._closed = threading.Event()
-        self._welcomed = threading.Event()
-        self._outbox: queue.Queue[rpb.AttachRequest | None] | None = None
-        self._call: Any = None
-        self._lock = threading.Lock()
-        self.unsupported = False
-        self.welcome: rpb.AttachWelcome | None = None
-        self._endpoints = _endpoints(self.addresses, tls or tls_config())
-        self._next = 0  # the lighthouse the next (re)connect tries first
-        self._leader = 0  # the lighthouse that last welcomed us
-        self._thread = threading.Thread(target=self._run, name=f"rallypoint-liveness-{replica_id}", daemon=True)
-
-    def start(self, timeout: float = 10.0) -> bool:
-        """Open the stream; True once the lighthouse welcomed us within ``timeout``."""
-        self._thread.start()
-        ok = self._welcomed.wait(timeout)
-        if not ok and not self.unsupported:
-            log.warning("[%s] liveness stream to %s not welcomed within %.1fs; will keep trying", self.replica_id, self.addr, timeout)
-        return ok
-
-    @property
-    def connected(self) -> bool:
-        return self._welcomed.is_set()
-
-    @property
-    def current_address(self) -> str:
-        """The lighthouse that last welcomed the stream (the first listed before that)."""
-        return self._endpoints[self._leader].addr
-
-    def _requests(self, outbox: "queue.Queue[rpb.AttachRequest | None]") -> Iterator[rpb.AttachRequest]:
-        # Built as each stream starts, so a re-attach (to a new leader too) carries the
-        # lease held now.
-        held = self._held_lease
-        yield rpb.AttachRequest(hello=rpb.AttachHello(replica_id=self.replica_id, address=self.address,
-                                                      leases=held is not None, lease_quorum_id=held() if held else 0))
-        while True:
-            try:
-                msg = outbox.get(timeout=self._ping_interval)
-            except queue.Empty:
-                msg = rpb.AttachRequest(ping=rpb.AttachPing())
-            if msg is None:
-                return
-            yield msg
-
-    def _welcomed_by(self, index: int, welcome: rpb.AttachWelcome) -> None:
-        self.welcome = welcome
-        self._welcomed.set()
-        if index != self._leader:
-            self._leader = index
-            log.info("[%s] lighthouse at %s answered; following it", self.replica_id, self._endpoints[index].addr)
-        log.info("[%s] liveness stream attached to %s", self.replica_id, self._endpoints[index].addr)
-
-    def _run(self) -> None:
-        n = len(self._endpoints)
-        delay = self._backoff[0]
-        failed = 0  # lighthouses that refused or dropped the stream since the last welcome or backoff
-        while not self._closed.is_set():
-            index = self._next
-            ep = self._endpoints[index]
-            outbox: queue.Queue[rpb.AttachRequest | None] = queue.Queue()
-            with self._lock:
-                if self._closed.is_set():
-                    return
-                self._outbox = outbox
-                self._call = ep.attach()(self._requests(outbox), metadata=self._metadata)
-            attached = False
-            try:
-                for resp in self._call:
-                    if resp.HasField("welcome"):
-                        attached, failed, delay = True, 0, self._backoff[0]
-                        self._welcomed_by(index, resp.welcome)
-                    elif resp.HasField("lease_revoke") and self._on_lease_revoke is not None:
-                        try:
-                            self._on_lease_revoke(resp.lease_revoke)
-                        except Exception:
-                            log.exception("[%s] on_lease_revoke callback failed", self.replica_id)
-                    elif resp.HasField("peer_down") and self._on_peer_down is not None:
-                        try:
-                            self._on_peer_down(resp.peer_down.replica_id, resp.peer_down.reason)
-                        except Exception:
-                            log.exception("[%s] on_peer_down callback failed", self.replica_id)
-                if self._closed.is_set():
-                    return
-                why = "ended by the lighthouse"
-            except grpc.RpcError as e:
-                if self._closed.is_set():
-                    return
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    self.unsupported = True
-                    log.info("[%s] lighthouse at %s has no liveness stream (torchft?); relying on heartbeats", self.replica_id, ep.addr)
-                    self._welcomed.set()
-                    return
-                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
-                    log.error("[%s] liveness stream refused: %s", self.replica_id, e.details())
-                    if self._on_lease_revoke is not None:  # no stream from now on: no lease either
-                        self._on_lease_revoke(rpb.LeaseRevoke(quorum_id=2**62, reason="liveness stream refused"))
-                    return
-                why = f"broke ({e.code()}: {e.details()})" if n > 1 else f"broke ({e.code()})"
-            self._welcomed.clear()
-            failed += 1
-            self._next = (index + 1) % n
-            if failed < n:  # another lighthouse not tried yet: at once, no backoff
-                log.log(logging.WARNING if attached else logging.DEBUG, "[%s] liveness stream to %s %s; trying %s",
-                        self.replica_id, ep.addr, why, self._endpoints[self._next].addr)
-                continue
-            failed = 0
-            if n == 1:
-                log.warning("[%s] liveness stream to %s %s; reconnecting in %.1fs", self.replica_id, ep.addr, why, delay)
-            else:
-                log.warning("[%s] no lighthouse of %s accepted the liveness stream (last: %s %s); retrying in %.1fs",
-                            self.replica_id, self.addr, ep.addr, why, delay)
-            if self._closed.wait(delay):
-                return
-            delay = min(delay * 2, self._backoff[1])
-
-    def report(self, step: int, data: str) -> bool:
-        """Send the step stats of a round started on a lease (``data``: what the Quorum
-        request would have carried). Never blocks; False when the stream is down (the
-        report is dropped: step stats are for scores, not for correctness)."""
-        outbox = self._outbox
-        if outbox is None or not self._welcomed.is_set() or self._closed.is_set():
-            return False
-        if len(data) > MAX_DATA_BYTES or outbox.qsize() >= 1024:  # the lighthouse would end the stream; or it is stuck
-            log.debug("[%s] step report of step %d dropped (%d bytes, %d queued)", self.replica_id, step, len(data),
-                      outbox.qsize())
-            return False
-        outbox.put(rpb.AttachRequest(step_report=rpb.StepReport(step=step, data=data)))
-        return True
-
-    def close(self, reason: str = "shutdown", timeout: float = 5.0) -> None:
-        """Say goodbye and close; idempotent. The lighthouse forgets us at once."""
-        with self._lock:
-            if self._closed.is_set():
-                return
-            self._closed.set()
-            outbox, call = self._outbox, self._call
-        if outbox is not None and call is not None and self._welcomed.is_set():
-            outbox.put(rpb.AttachRequest(goodbye=rpb.AttachGoodbye(reason=reason)))
-            outbox.put(None)
-            self._thread.join(timeout)
-        if call is not None and self._thread.is_alive():
-            call.cancel()
-        if self._thread.ident is not None:
-            self._thread.join(timeout)
-        for ep in self._endpoints:
-            ep.channel.close()
-
-    def __enter__(self) -> "LivenessStream":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+from rallypoint.lighthouse.liveness import LivenessStream  # noqa: E402  (re-exported: the manager imports this module)
 
 
 __all__ = ["LighthouseClient", "LivenessStream", "Member", "Quorum", "grpc_target", "quorum_from_pb", "seconds",

@@ -223,6 +223,9 @@ class LighthouseCore(Scoring):
         if left is not None and desk.revoked_lease is not None:
             desk.left_sent, desk.left = True, left
             self._push(desk.revoked_lease.replica_ids, left)
+            self.metrics.lease_revoked(left.why)
+            self.store.record_event("lease_revoked", rid, quorum_id=left.quorum_id, why=left.why, reason=left.reason,
+                                    after_step=left.after_step)
         self._dead.pop(rid, None)
         self._alive(rid, now)
         old = self.pending.get(rid)
@@ -295,7 +298,7 @@ class LighthouseCore(Scoring):
         self._expected = {rid: until for rid in lease_members if rid not in self.pending}
         self.metrics.lease_revoked(done.why)
         self.store.record_event("lease_revoked", done.replica_id or None, quorum_id=done.quorum_id, why=done.why,
-                                reason=done.reason)
+                                reason=done.reason, **({"after_step": done.after_step} if done.replica_id else {}))
         log.info("lease of quorum %d revoked: %s", done.quorum_id, done.reason)
 
     def _push(self, replica_ids: tuple[str, ...], revoke: ls.Revoke) -> None:

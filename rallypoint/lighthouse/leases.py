@@ -175,8 +175,10 @@ class LeaseDesk:
         quorum may be leased by groups that this process never told anything. Treat it as
         a just-revoked lease: the first member to ask tells the others (left_notice), and
         the next quorum gets a new id."""
-        if last is not None and self.enabled:
-            self.revoked_lease, self.left_sent, self.left, self.fresh_id = last, False, None, True
+        if last is not None and self.enabled and len(last.members) >= 2:  # a quorum of one is never leased
+            # No new id here: a member that held the lease re-attaches with it, and that bumps
+            # the id (revoke_at_attach); a restored quorum nobody leased keeps its fast path.
+            self.revoked_lease, self.left_sent, self.left = last, False, None
 
     def holds(self, replica_id: str) -> int:
         """The quorum_id of the lease in force when ``replica_id`` is a member, else 0."""
