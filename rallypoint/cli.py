@@ -252,6 +252,23 @@ def _fetch_status(address: str, timeout: float) -> dict:
     from rallypoint._net.tls import client_ssl_context, tls_config
     from rallypoint.lighthouse.client import LighthouseClient
 
+    if "," in address:  # an HA set: the leader's status (a standby shows only that it stands by)
+        from rallypoint.lighthouse.client import split_addresses
+
+        docs: list[dict] = []
+        errors: list[str] = []
+        for one in split_addresses(address):
+            try:
+                doc = _fetch_status(one, timeout)
+            except Exception as e:  # noqa: BLE001 - a dead member of the set: try the next
+                errors.append(f"{one}: {e}")
+                continue
+            if (doc.get("lighthouse") or {}).get("role") == "leader":
+                return doc
+            docs.append(doc)
+        if docs:
+            return docs[0]
+        raise ConnectionError("no lighthouse of " + address + " answered: " + "; ".join(errors))
     tls = tls_config()
     url = address if "://" in address else f"http://{address}"
     verify: Any = False

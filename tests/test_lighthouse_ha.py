@@ -57,6 +57,11 @@ def test_one_leads_the_standby_refuses_and_takes_over_with_the_next_quorum_id(et
         _wait(lambda: a.leadership.leads() or b.leadership.leads(), 10, "a leader")
         leader, standby = (a, b) if a.leadership.leads() else (b, a)
         assert not standby.leadership.leads()
+        # `rallypoint status --lighthouse standby,leader` shows the leader's status.
+        from rallypoint.cli import _fetch_status
+
+        assert _fetch_status(f"{standby.local_address()},{leader.local_address()}", 5)["lighthouse"]["role"] == "leader"
+        assert _fetch_status(standby.local_address(), 5)["lighthouse"]["role"] == "standby"
         # The standby refuses what needs the leader, naming itself a standby.
         ch = grpc.insecure_channel(standby.local_address().replace("http://", ""))
         try:
