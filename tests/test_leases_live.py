@@ -21,7 +21,7 @@ def _requests(lh: Any) -> float:
     raise AssertionError("no quorum request counter")
 
 
-def test_steady_steps_skip_the_lighthouse_and_joiners_each_revoke_and_heal(lighthouse, replicas_factory) -> None:
+def test_steady_steps_skip_the_lighthouse_and_a_joiner_revokes_and_heals(lighthouse, replicas_factory) -> None:
     lh = lighthouse(min_replicas=2, join_timeout_ms=2000)
     r = replicas_factory(lh)
     r.start("replica_0", seed=1, delay=0.02)
@@ -31,18 +31,18 @@ def test_steady_steps_skip_the_lighthouse_and_joiners_each_revoke_and_heal(light
     r.wait_for("8 more steps", lambda: r.step("replica_0") >= step0 + 8, 30)
     assert _requests(lh) == before, "steps on a lease asked the lighthouse"
     assert lh.status()["lease"]["members"] and lh.core.metrics.render().count(b"rallypoint_step_reports_total") >= 1
-    # Joiners, one right after another: each revokes the lease, is taken in and heals.
-    for i, name in enumerate(("replica_2", "replica_3")):
-        r.start(name, seed=10 + i, delay=0.02)
-        r.wait_for(f"{name} in", lambda n=name: r.step(n) >= 1, 30)
-    target = max(r.step(f"replica_{i}") for i in range(4)) + 4
+    # A joiner revokes the lease, is taken in and heals (more joiners: the HA test, torchft's
+    # upscale tests and test_manager's late replicas all run with leases on).
+    r.start("replica_2", seed=10, delay=0.02)
+    r.wait_for("replica_2 in", lambda: r.step("replica_2") >= 1, 30)
+    target = max(r.step(f"replica_{i}") for i in range(3)) + 3
     r.finish(target, timeout=40)
-    r.assert_identical([f"replica_{i}" for i in range(4)], target)
+    r.assert_identical([f"replica_{i}" for i in range(3)], target)
     for n in ("replica_0", "replica_1"):
         assert len(r.progress(n)["failed"]) <= 3, r.progress(n)["failed"]  # joiners cost no stream of failures
     why = [e.detail.get("why") for e in lh.core.store.events(limit=500) if e.kind == "lease_revoked"]
-    assert why.count("joiner") >= 2, why
-    assert lh.status()["lease"]["granted_total"] >= 3
+    assert why.count("joiner") >= 1, why
+    assert lh.status()["lease"]["granted_total"] >= 2
 
 
 def test_a_member_leaving_the_lease_fails_its_peers_round_now_not_at_the_timeout(lighthouse, replicas_factory) -> None:
@@ -107,9 +107,9 @@ def test_a_sigkilled_lighthouse_costs_leased_groups_no_step(cli_lighthouse, tmp_
         lh.proc.kill(signal.SIGKILL)
         assert lh.proc.wait(10.0) == -signal.SIGKILL
         s = max(r.step("replica_0"), r.step("replica_1"))
-        r.wait_for("10 steps without a lighthouse", lambda: min(r.step("replica_0"), r.step("replica_1")) >= s + 10, 30)
-        r.finish(s + 12, timeout=30)
-        r.assert_identical(["replica_0", "replica_1"], s + 12)
+        r.wait_for("8 steps without a lighthouse", lambda: min(r.step("replica_0"), r.step("replica_1")) >= s + 8, 30)
+        r.finish(s + 10, timeout=30)
+        r.assert_identical(["replica_0", "replica_1"], s + 10)
         for n in ("replica_0", "replica_1"):
             assert r.progress(n)["failed"] == [], r.progress(n)["failed"]
     finally:

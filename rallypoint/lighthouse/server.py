@@ -394,7 +394,7 @@ class LighthouseServer:
         session: EtcdSession | None = None
         if is_etcd(self._state_path):  # HA: the state lives in etcd; serve only while elected
             session = EtcdSession(parse_spec(self._state_path), uuid.uuid4().hex[:12], ttl=self._ha_ttl)
-            await session.connect(min(5.0, self._startup_timeout / 2))  # EtcdUnavailable: a clear error
+            await session.connect(min(3.0, self._startup_timeout / 2))  # EtcdUnavailable: a clear error
         store = StateStore(MEMORY if session is not None else self._state_path)  # a standby's is a placeholder
         metrics = LighthouseMetrics()
         http = None
