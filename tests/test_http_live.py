@@ -152,15 +152,16 @@ def serve_all(sources: list[HTTPTransport], sd: Any, step: int = 1) -> str:
 
 
 def test_striped_receive_uses_every_source_and_frees_them(transports: Callable[..., HTTPTransport]) -> None:
-    """Three identical sources: the receive takes ranges from each, the state arrives
-    whole, and each live source drops its offer as soon as the receiver says done."""
+    """Three identical sources: the receive takes ranges from several of them (a source
+    whose connection comes up last may find every range taken: work stealing), the state
+    arrives whole, and each live source drops its offer as soon as the receiver says done."""
     sources = [transports(Counting, copy_below=0, **SMALL_BLOCKS) for _ in range(3)]
     sd = make_state(21)
     meta = serve_all(sources, sd)
     dst = transports(**MANY_RANGES)
     assert_same(sd, dst.recv_checkpoint(0, meta, 1, TEN))
     counts = [s.ranges for s in sources]  # type: ignore[attr-defined]
-    assert all(c > 0 for c in counts), counts
+    assert sum(c > 0 for c in counts) >= 2 and sum(counts) > 0, counts
     for s in sources:
         s.disallow_checkpoint()  # told done: withdrawn, nothing copied
         assert s._served is None and s._withdrawn == 1
