@@ -39,7 +39,9 @@ def test_grant_refusal(members: tuple[str, ...], takes: dict[str, bool], enabled
     assert got == why if why is None else (got is not None and got.startswith(why))
 
 
-@pytest.mark.parametrize("step, failures, after", [(10, 0, 9), (10, 1, 10), (0, 0, -1), (7, 3, 7)])
+# A member that failed its round retries that step: its peers' round at that step may be
+# waiting in collectives it never joined, so it fails too (torchft's commit-failure test).
+@pytest.mark.parametrize("step, failures, after", [(10, 0, 9), (10, 1, 9), (0, 0, -1), (7, 3, 6)])
 def test_after_step(step: int, failures: int, after: int) -> None:
     assert ls.after_step(step, failures) == after
 
@@ -50,7 +52,7 @@ def test_revoke_for_request_member_joiner_and_none() -> None:
     member = ls.revoke_for_request(lease, "a", 10, 0)
     assert member is not None and (member.quorum_id, member.why, member.replica_id, member.after_step) == (4, "member_asked", "a", 9)
     failed = ls.revoke_for_request(lease, "b", 10, 2)
-    assert failed is not None and failed.after_step == 10
+    assert failed is not None and failed.after_step == 9
     joiner = ls.revoke_for_request(lease, "c", 0, 0)
     assert joiner is not None and (joiner.why, joiner.replica_id, joiner.quorum_id) == ("joiner", "", 4)
 
@@ -294,7 +296,7 @@ def test_core_grants_revokes_on_a_joiner_and_a_member_and_bumps_the_id() -> None
             asker = asyncio.ensure_future(core.request_quorum(q.Member("b", step=9, world_size=1, commit_failures=1)))
             await asyncio.sleep(0)
             (msg,) = _pushed(atts["a"])[-1:]
-            assert (msg.lease_revoke.replica_id, msg.lease_revoke.after_step) == ("b", 9)
+            assert (msg.lease_revoke.replica_id, msg.lease_revoke.after_step) == ("b", 8)  # b retries 9: round 9 fails too
             await asyncio.gather(asker, *(core.request_quorum(q.Member(r, step=9, world_size=1)) for r in ("a", "c")))
             assert core.quorum_id == ids + 1 and core.leases.holds("b") == ids + 1
             events = [e.kind for e in core.store.events(limit=50)]

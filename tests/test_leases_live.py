@@ -48,8 +48,9 @@ def test_steady_steps_skip_the_lighthouse_and_a_joiner_revokes_and_heals(lightho
 def test_a_member_leaving_the_lease_fails_its_peers_round_now_not_at_the_timeout(lighthouse, replicas_factory) -> None:
     """replica_1 alone fails step 6 (a local error after the collectives) and asks the
     lighthouse; its peers committed 6 and are already in step 7's allreduce on the lease,
-    which replica_1 will never join. The revoke names it (after step 6): their round fails
-    at once, and everyone goes on -- long before the 60 s collective timeout."""
+    which replica_1 will never join. The revoke names it (after step 5: it retries step 6,
+    so every round of the lease from step 6 on may lack it): their round fails at once, and
+    everyone goes on -- long before the 60 s collective timeout."""
     lh = lighthouse(min_replicas=2, join_timeout_ms=2000)
     r = replicas_factory(lh)
     opts = {"delay": 0.02, "timeout": 60}
@@ -62,7 +63,7 @@ def test_a_member_leaving_the_lease_fails_its_peers_round_now_not_at_the_timeout
     assert 6 in r.progress("replica_1")["failed"]  # (a joiner's split round may have failed one before)
     events = [e for e in lh.core.store.events(limit=500) if e.kind == "lease_revoked"]
     asked = [e for e in events if e.detail.get("why") == "member_asked"]
-    assert any("replica_1" in (e.replica_id or "") and e.detail.get("after_step") == 6 for e in asked), \
+    assert any("replica_1" in (e.replica_id or "") and e.detail.get("after_step") == 5 for e in asked), \
         [(e.replica_id, e.detail) for e in events]
 
 

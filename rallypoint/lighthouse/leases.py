@@ -73,12 +73,19 @@ def report_every(members: int, per_step: int = REPORTS_PER_STEP) -> int:
 
 
 def after_step(step: int, commit_failures: int) -> int:
-    """The last step of a lease in which a member that now asks at ``step`` took part.
+    """The last step of a lease whose rounds may go on without a member that now asks at
+    ``step``: ``step - 1``, whether or not it failed its last round.
 
-    It asks at the step it is at: one that failed its last round (``commit_failures``)
-    retries that round's step, so it took part in it; one that committed asks at the
-    next step, which it has not started."""
-    return step if commit_failures > 0 else step - 1
+    One that committed asks at the next step, which it has not started. One that failed
+    its last round (``commit_failures``) retries that round's step, and whether it took
+    part in that round's collectives is not known here: a local failure before them
+    (an injected allreduce error, an exception in the forward pass) leaves its peers
+    waiting in them until the collective timeout. So the peers' round at ``step`` fails
+    too: at worst a peer that had finished the collectives redoes the step with it (one
+    failed round, nothing wrong committed), never a wait for the timeout. ``commit_failures``
+    is kept in the signature for that reason, documented, not used."""
+    del commit_failures
+    return step - 1
 
 
 def revoke_for_request(lease: Quorum | None, requester: str, step: int, commit_failures: int) -> Revoke | None:
