@@ -129,7 +129,12 @@ class TorchBackendGroup(ProcessGroup):
         self.emulate_reduce_scatter = False
         self._infos: dict[str, Any] = {}  # OpInfo per op name, rebuilt per configure
         self._pending: weakref.WeakSet[OpWork] = weakref.WeakSet()  # interrupted by abort()
-        self._pending_lock = threading.Lock()
+        # Held while an op is posted and registered, and while abort() takes the backend:
+        # so an abort either finds the op among the pending ones (and lets it end before
+        # dropping the backend) or comes first (and the op is never posted). Without it,
+        # an op posted on the training thread during an abort on another thread (a lease's
+        # "member left" notice) ran on a backend being dropped: SIGABRT.
+        self._pending_lock = threading.RLock()
         self._connect_wake: threading.Event | None = None  # set while a configure connects
 
     # ------------------------------------------------------------------ lifecycle
@@ -210,6 +215,7 @@ class TorchBackendGroup(ProcessGroup):
             wake.set()  # release a configure blocked in connect
         with self._pending_lock:
             pending, self._pending = list(self._pending), weakref.WeakSet()
+            backend, self._backend, self._store = self._backend, None, None
         err = self._error
         for work in pending:
             if isinstance(err, ProcessGroupError):
@@ -219,7 +225,6 @@ class TorchBackendGroup(ProcessGroup):
         # exits within that timeout waits for it (bounded by gloo's op timeout), because
         # tearing the interpreter down under a running gloo op ends in std::terminate
         # (SIGABRT, "terminate called without an active exception").
-        backend, self._backend, self._store = self._backend, None, None
         if backend is not None:
             stuck = [w.inner for w in pending]
             threading.Thread(target=_release, args=(backend, stuck), name="rallypoint-gloo-release", daemon=False).start()
@@ -249,17 +254,18 @@ class TorchBackendGroup(ProcessGroup):
         result: Any = None,
     ) -> Work:
         self._require_config(op)
-        backend = self._backend
         info = self._infos.get(op)
         if info is None or info.timeout != self._timeout:
             info = self._infos[op] = self._op_info(op)
-        if backend is None or self._error is not None:
-            err = self._error or ProcessGroupAborted(f"{info.label()}: the group is not connected; reconfigure it")
-            return FailedWork(err)  # type: ignore[arg-type]
-        # An exception at call time is gloo rejecting the arguments (wrong list
-        # lengths, dtypes): a caller bug, raised as torch raises it, not a group failure.
-        inner = call(backend)
-        return self._wrap(inner, info, finish, result)
+        with self._pending_lock:  # posted and registered as one step (see __init__)
+            backend = self._backend
+            if backend is None or self._error is not None:
+                err = self._error or ProcessGroupAborted(f"{info.label()}: the group is not connected; reconfigure it")
+                return FailedWork(err)  # type: ignore[arg-type]
+            # An exception at call time is gloo rejecting the arguments (wrong list
+            # lengths, dtypes): a caller bug, raised as torch raises it, not a group failure.
+            inner = call(backend)
+            return self._wrap(inner, info, finish, result)
 
     # ------------------------------------------------------------------ collectives
 
