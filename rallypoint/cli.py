@@ -3,8 +3,9 @@
 Subcommands: ``lighthouse`` (run the quorum service; drop-in for ``torchft_lighthouse``,
 whose underscore flag spellings are accepted), ``run`` (launch one replica group where
 torchrun was, and restart it when a rank fails; ``rallypoint.supervisor``), ``status``
-(print the quorum as a table), ``kill`` (ask a replica's manager to exit), ``goodput`` (the
-goodput ledger as a table). Nothing here
+(print the quorum as a table), ``kill`` (ask a replica's manager to exit), ``inject`` (a
+fault), ``goodput`` (the goodput ledger as a table). The last four act on one job of the
+lighthouse (``--job``, default ``RALLYPOINT_JOB``, else ``default``). Nothing here
 imports torch.
 """
 
@@ -24,6 +25,9 @@ log = logging.getLogger("rallypoint.cli")
 
 DEFAULT_LIGHTHOUSE = "http://localhost:29510"
 DEFAULT_STATE = "rallypoint-lighthouse.db"
+#: What ``--job`` means, in one line of each subcommand's help.
+JOB_HELP = ("the job to act on: one lighthouse serves many jobs (training runs), each with its own quorum, state, "
+            "metrics and token (default: $RALLYPOINT_JOB, else 'default')")
 
 
 def _lighthouse_env() -> str:
@@ -81,12 +85,21 @@ def _build_parser() -> argparse.ArgumentParser:
     _flag(lh, "leases", choices=("on", "off"), default="on",
           help="grant quorums as leases, so that replica groups start steps without asking until membership "
                "must change (on; see rallypoint/lighthouse/LEASES.md); 'off': every step asks, as in torchft")
+    _flag(lh, "jobs", default=None, metavar="FILE",
+          help="JSON file naming the jobs this lighthouse serves and each job's token, e.g. "
+               '{"jobs": {"llama": {"token": "..."}, "default": {"open": true}}}. A job is one training run '
+               "(its replica groups set RALLYPOINT_JOB) with its own quorum, state and metrics; without this file "
+               "every job takes --token (default: jobs are created by their first call, all under --token)")
+    _flag(lh, "max-jobs", type=int, default=None,
+          help="most jobs this lighthouse serves; the first call of one more is refused (64)")
     lh.set_defaults(usage_parser=lh)  # option errors found after parsing print this command's usage
 
     st = sub.add_parser("status", help="print the lighthouse's quorum as a table")
     st.add_argument("--lighthouse", default=None, help=f"gRPC or HTTP address (default: $RALLYPOINT_LIGHTHOUSE, $TORCHFT_LIGHTHOUSE or {DEFAULT_LIGHTHOUSE})")
     st.add_argument("--json", action="store_true", help="print the raw status document")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the lighthouse (5)")
+    st.add_argument("--job", default=None, help=JOB_HELP)
+    st.set_defaults(usage_parser=st)
 
     gp = sub.add_parser("goodput", help="print the goodput ledger: where each replica group's time went")
     gp.add_argument("--lighthouse", default=None, help="gRPC or HTTP address (default: as for status)")
@@ -96,6 +109,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gp.add_argument("--delta", type=float, default=None,
                     help="time to save one checkpoint for the goodput model, seconds (default: 0)")
     gp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the lighthouse (5)")
+    gp.add_argument("--job", default=None, help=JOB_HELP)
     gp.set_defaults(usage_parser=gp)
 
     from rallypoint.supervisor.args import add_run_parser
@@ -107,6 +121,8 @@ def _build_parser() -> argparse.ArgumentParser:
     kl.add_argument("--lighthouse", default=None, help="gRPC address of the lighthouse")
     kl.add_argument("--reason", default="killed from the command line")
     kl.add_argument("--timeout", type=float, default=15.0)
+    kl.add_argument("--job", default=None, help=JOB_HELP)
+    kl.set_defaults(usage_parser=kl)
 
     from rallypoint._net.inject import KINDS
 
@@ -121,7 +137,42 @@ def _build_parser() -> argparse.ArgumentParser:
     ij.add_argument("--bit", type=int, default=None, help="bitflip-*: which bit of element 0 (30)")
     ij.add_argument("--lighthouse", default=None, help="gRPC address of the lighthouse")
     ij.add_argument("--timeout", type=float, default=10.0)
+    ij.add_argument("--job", default=None, help=JOB_HELP)
+    ij.set_defaults(usage_parser=ij)
     return p
+
+
+def _job(args: argparse.Namespace) -> str:
+    """The job a subcommand acts on (``--job``, else ``RALLYPOINT_JOB``, else ``default``);
+    a usage error (exit 2) for a malformed name."""
+    from rallypoint._net.job import job_name
+
+    try:
+        return job_name(args.job)
+    except ValueError as e:
+        args.usage_parser.error(str(e))
+        raise  # unreachable: error() exits
+
+
+def _jobs_file(args: argparse.Namespace) -> tuple[dict | None, int]:
+    """``--jobs`` parsed and ``--max-jobs`` checked; ValueError naming the file (or the
+    flag) when they are unusable, so the lighthouse never starts on half a configuration."""
+    from rallypoint.lighthouse.jobs import DEFAULT_MAX_JOBS, load_jobs
+
+    max_jobs = DEFAULT_MAX_JOBS if args.max_jobs is None else args.max_jobs
+    if max_jobs < 1:
+        raise ValueError(f"--max-jobs must be at least 1, got {max_jobs}")
+    if args.jobs is None:
+        return None, max_jobs
+    try:
+        jobs = load_jobs(args.jobs)
+    except OSError as e:
+        raise ValueError(f"cannot read jobs file {args.jobs}: {e.strerror or e}") from None
+    except ValueError as e:  # names the file, except a decoding error
+        raise ValueError(str(e) if args.jobs in str(e) else f"jobs file {args.jobs}: {e}") from None
+    if len(jobs) > max_jobs:
+        raise ValueError(f"jobs file {args.jobs} names {len(jobs)} jobs, more than --max-jobs {max_jobs}")
+    return jobs, max_jobs
 
 
 def _straggler_policy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
@@ -155,6 +206,7 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
     try:
         token = job_token(args.token)
         tls = tls_config(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_ca, args.require_tls)
+        jobs, max_jobs = _jobs_file(args)
     except ValueError as e:
         print(f"rallypoint lighthouse: {e}", file=sys.stderr)
         return 2
@@ -176,6 +228,8 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
             stragglers=stragglers,
             leases=args.leases == "on",
             ha_ttl_s=args.etcd_ttl_s,
+            jobs=jobs,
+            max_jobs=max_jobs,
             # A restart from an in-memory state would hand out quorum ids again: refused then.
             on_restart=restart.set if args.state != ":memory:" else None,
         )
@@ -242,15 +296,19 @@ def _restart_lighthouse(given: list[str], grpc_addr: str, http_addr: str | None)
     os.execv(sys.executable, [sys.executable, "-m", "rallypoint", *argv])
 
 
-def _fetch_status(address: str, timeout: float) -> dict:
-    """Status from a lighthouse given its gRPC address (what users configure) or its
-    dashboard address: a quick HTTP probe first (a gRPC port refuses it at once), then
-    the gRPC ``Status`` call."""
+def _fetch_status(address: str, timeout: float, job: str | None = None) -> dict:
+    """Status of ``job`` (default: ``RALLYPOINT_JOB``, else ``default``) from a lighthouse
+    given its gRPC address (what users configure) or its dashboard address: a quick HTTP
+    probe first (a gRPC port refuses it at once; ``?job=``), then the gRPC ``Status`` call
+    (the job in its metadata)."""
     import httpx
 
     from rallypoint._net.auth import job_token
+    from rallypoint._net.job import DEFAULT_JOB, job_name
     from rallypoint._net.tls import client_ssl_context, tls_config
     from rallypoint.lighthouse.client import LighthouseClient
+
+    job = job_name(job)
 
     if "," in address:  # an HA set: the leader's status (a standby shows only that it stands by)
         from rallypoint.lighthouse.client import split_addresses
@@ -259,7 +317,7 @@ def _fetch_status(address: str, timeout: float) -> dict:
         errors: list[str] = []
         for one in split_addresses(address):
             try:
-                doc = _fetch_status(one, timeout)
+                doc = _fetch_status(one, timeout, job)
             except Exception as e:  # noqa: BLE001 - a dead member of the set: try the next
                 errors.append(f"{one}: {e}")
                 continue
@@ -277,13 +335,21 @@ def _fetch_status(address: str, timeout: float) -> dict:
         url = "https://" + url.split("://", 1)[1]
     token = job_token()
     headers = {"authorization": f"Bearer {token}"} if token else {}
+    # The default job's probe is what it was before jobs (no query), so older lighthouses see nothing new.
+    params = {} if job == DEFAULT_JOB else {"job": job}
     try:
-        r = httpx.get(url.rstrip("/") + "/status", timeout=min(1.0, timeout), headers=headers, verify=verify)
+        r = httpx.get(url.rstrip("/") + "/status", params=params, timeout=min(1.0, timeout), headers=headers,
+                      verify=verify)
+        if r.status_code == 404 and job != DEFAULT_JOB and "no such job" in r.text:
+            raise LookupError(r.json().get("detail") or r.text)
         if r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json"):
-            return r.json()
+            doc = r.json()
+            # a lighthouse from before jobs ignores ?job= and answers for its one job: not this one
+            if isinstance(doc, dict) and doc.get("job", DEFAULT_JOB) == job:
+                return doc
     except (httpx.HTTPError, ValueError):
         pass
-    with LighthouseClient(address, connect_timeout=timeout) as c:
+    with LighthouseClient(address, connect_timeout=timeout, job=job) as c:
         return c.status(timeout=timeout)
 
 
@@ -350,8 +416,9 @@ def _straggler_cell(st: Any) -> str:
 
 def _run_status(args: argparse.Namespace) -> int:
     address = args.lighthouse or _lighthouse_env()
+    job = _job(args)
     try:
-        s = _fetch_status(address, args.timeout)
+        s = _fetch_status(address, args.timeout, job)
     except Exception as e:
         print(f"rallypoint status: {e}", file=sys.stderr)
         return 1
@@ -363,8 +430,9 @@ def _run_goodput(args: argparse.Namespace) -> int:
     if (args.tau is not None and not args.tau > 0) or (args.delta is not None and not args.delta >= 0):
         args.usage_parser.error(f"--tau must be > 0 and --delta >= 0 seconds, got {args.tau} and {args.delta}")
     address = args.lighthouse or _lighthouse_env()
+    job = _job(args)
     try:
-        doc = _fetch_status(address, args.timeout).get("goodput")
+        doc = _fetch_status(address, args.timeout, job).get("goodput")
     except Exception as e:
         print(f"rallypoint goodput: {e}", file=sys.stderr)
         return 1
@@ -439,11 +507,14 @@ def _run_kill(args: argparse.Namespace) -> int:
     from rallypoint.lighthouse.client import LighthouseClient
 
     address = args.lighthouse or _lighthouse_env()
+    job = _job(args)
     try:
-        with LighthouseClient(address, connect_timeout=5.0) as c:
+        with LighthouseClient(address, connect_timeout=5.0, job=job) as c:
             target = c.kill(args.replica_id, args.reason, timeout=args.timeout)
     except KeyError:
-        print(f"rallypoint kill: the lighthouse at {address} knows no replica {args.replica_id!r}", file=sys.stderr)
+        of_job = "" if job == "default" else f" in job {job!r}"
+        print(f"rallypoint kill: the lighthouse at {address} knows no replica {args.replica_id!r}{of_job}",
+              file=sys.stderr)
         return 1
     except Exception as e:
         print(f"rallypoint kill: {e}", file=sys.stderr)
@@ -458,8 +529,9 @@ def _run_inject(args: argparse.Namespace) -> int:
     address = args.lighthouse or _lighthouse_env()
     request = {"kind": args.kind, "replica": args.replica, "at_step": args.at_step, "for_s": args.for_s,
                "factor": args.factor, "bit": args.bit}
+    job = _job(args)
     try:
-        with LighthouseClient(address, connect_timeout=5.0) as c:
+        with LighthouseClient(address, connect_timeout=5.0, job=job) as c:
             ident, rid = c.inject({k: v for k, v in request.items() if v is not None}, timeout=args.timeout)
     except (KeyError, ValueError) as e:
         print(f"rallypoint inject: refused by the lighthouse at {address}: {str(e).strip(chr(39))}", file=sys.stderr)

@@ -200,9 +200,10 @@ class Replicas:
     #: the worker script started by :meth:`start` (subclasses point it at their own)
     script: Path = HERE
 
-    def __init__(self, tmp: Path, lighthouse: str) -> None:
+    def __init__(self, tmp: Path, lighthouse: str, env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
         self.lighthouse = lighthouse
+        self.env = env  # extra environment of every worker (RALLYPOINT_JOB, RALLYPOINT_TOKEN)
         self.procs: dict[str, subprocess.Popen] = {}
         self.stop = tmp / "stop"
 
@@ -212,7 +213,7 @@ class Replicas:
         log = open(self.tmp / f"{name}.{len(self.procs)}.log", "w")
         p = subprocess.Popen(
             [sys.executable, str(self.script), self.lighthouse, name, str(seed), str(out), str(self.stop), json.dumps(opts)],
-            stdout=log, stderr=subprocess.STDOUT,
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env} if self.env else None,
         )
         log.close()
         self.procs[f"{name}#{p.pid}"] = p

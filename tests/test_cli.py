@@ -141,3 +141,112 @@ def test_lighthouse_refuses_taken_http_port(rallypoint_cli):
     assert out == ""  # never printed the ready line
     assert f"127.0.0.1:{port}" in err and "in use" in err, err
     assert "Traceback" not in err and "excepthook" not in err, err
+
+
+# ------------------------------------------------------------------ many jobs on one lighthouse
+
+
+@pytest.mark.parametrize("command", ["status", "kill", "inject", "goodput"])
+def test_job_flag_in_help(command, capsys):
+    from rallypoint.cli import JOB_HELP
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--job" in out and " ".join(JOB_HELP.split()) in out
+
+
+def test_lighthouse_help_names_jobs_flags(capsys):
+    from rallypoint.lighthouse.jobs import DEFAULT_MAX_JOBS
+
+    with pytest.raises(SystemExit):
+        main(["lighthouse", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--jobs FILE" in out and "--max-jobs" in out
+    assert f"refused ({DEFAULT_MAX_JOBS})" in out  # the help states the real default
+
+
+@pytest.mark.parametrize("content,expected", [
+    (None, "cannot read jobs file"),
+    ("{not json", "is not valid JSON"),
+    ('{"jobs": {"a": {"token": 5}}}', "token must be a string"),
+    ('{"jobs": {"bad name": {}}}', "is not a job name"),
+    (b"\xff\xfe", "jobs file"),
+])
+def test_lighthouse_bad_jobs_file_exits_2_naming_it(tmp_path, capsys, content, expected):
+    path = tmp_path / "jobs.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    rc = main(["lighthouse", "--min-replicas", "1", "--bind", "127.0.0.1:0", "--http-bind", "off",
+               "--state", ":memory:", "--jobs", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert str(path) in err and expected in err, err
+    assert "Traceback" not in err
+
+
+def test_lighthouse_max_jobs_below_one_exits_2(capsys):
+    rc = main(["lighthouse", "--min-replicas", "1", "--bind", "127.0.0.1:0", "--http-bind", "off",
+               "--state", ":memory:", "--max-jobs", "0"])
+    assert rc == 2
+    assert "--max-jobs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["status"], ["kill", "x"], ["goodput"], ["inject", "slow"]])
+def test_bad_job_name_is_a_usage_error(command, dead_address, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--lighthouse", dead_address, "--job", "no good"])
+    assert e.value.code == 2
+    assert "not a job name" in capsys.readouterr().err
+
+
+def test_bad_job_env_is_a_usage_error(dead_address, capsys, monkeypatch):
+    monkeypatch.setenv("RALLYPOINT_JOB", "-dash")
+    with pytest.raises(SystemExit) as e:
+        main(["status", "--lighthouse", dead_address])
+    assert e.value.code == 2
+    assert "RALLYPOINT_JOB" in capsys.readouterr().err
+
+
+@pytest.fixture
+def two_jobs(lighthouse, client):
+    """A lighthouse with an operator token, jobs a and b with their own tokens, and one
+    replica of each (its heartbeat created the job)."""
+    from rallypoint.lighthouse.jobs import JobConfig
+
+    lh = lighthouse(min_replicas=1, http_bind="127.0.0.1:0", token="op-token",
+                    jobs={"a": JobConfig(token="tok-a"), "b": JobConfig(token="tok-b")})
+    client(lh, token="tok-a", job="a").heartbeat("rep-a")
+    client(lh, token="tok-b", job="b").heartbeat("rep-b")
+    return lh
+
+
+@pytest.mark.parametrize("where", ["grpc", "http"])
+def test_status_job_flag_picks_the_job(two_jobs, capsys, monkeypatch, where):
+    addr = two_jobs.local_address() if where == "grpc" else two_jobs.http_address()
+    monkeypatch.setenv("RALLYPOINT_TOKEN", "op-token")
+    for job, rep in (("a", "rep-a"), ("b", "rep-b")):
+        assert main(["status", "--lighthouse", addr, "--job", job, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert [r["replica_id"] for r in doc["replicas"]] == [rep], (job, doc)
+    monkeypatch.setenv("RALLYPOINT_JOB", "b")  # the environment, when --job is not given
+    assert main(["status", "--lighthouse", addr, "--json"]) == 0
+    assert [r["replica_id"] for r in json.loads(capsys.readouterr().out)["replicas"]] == ["rep-b"]
+
+
+def test_status_job_token_of_another_job_is_refused(two_jobs, capsys, monkeypatch):
+    monkeypatch.setenv("RALLYPOINT_TOKEN", "tok-a")
+    assert main(["status", "--lighthouse", two_jobs.local_address(), "--job", "b", "--timeout", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "rep-b" not in err and "job 'b'" in err, err
+
+
+def test_kill_job_flag(two_jobs, capsys, monkeypatch):
+    monkeypatch.setenv("RALLYPOINT_TOKEN", "op-token")
+    # rep-a exists only in job a: job b knows no such replica
+    assert main(["kill", "rep-a", "--lighthouse", two_jobs.local_address(), "--job", "b"]) == 1
+    err = capsys.readouterr().err
+    assert "knows no replica 'rep-a' in job 'b'" in err, err

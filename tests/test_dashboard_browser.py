@@ -1,6 +1,7 @@
 """The dashboard in a real headless browser (Debian's ``chromium``): its script runs,
 fetches ``/status`` and ``/goodput`` and draws what an operator reads: the replicas with
-their straggler scores and the goodput chart (an inline SVG). Skipped, with the reason,
+their straggler scores and the goodput chart (an inline SVG); on a lighthouse serving
+several jobs, the job its ``?job=`` names, with the job picker. Skipped, with the reason,
 where no chromium is installed (``apt-get install chromium``)."""
 
 from __future__ import annotations
@@ -39,3 +40,22 @@ def test_dashboard_draws_replicas_scores_and_the_goodput_chart(lighthouse, clien
     assert chart is not None and chart.group(0).count("<polygon") >= 1 and "<polyline" in chart.group(0), dom[-3000:]
     assert re.search(r'<section id="goodput"(?![^>]*hidden)', dom), "the goodput section stayed hidden"
     assert re.search(r'id="gp-value">80\.0%<', dom), dom[-3000:]  # the ledger's 0.8, as the page shows it
+    assert re.search(r'<label[^>]*id="job-picker"[^>]*hidden', dom), "one job: the job picker should stay hidden"
+
+
+def test_dashboard_shows_the_job_its_url_names(lighthouse, client) -> None:
+    """Two jobs on one lighthouse: ``/?job=b`` draws job b's replicas, not a's, and the job
+    picker (filled from /jobs) shows both with b chosen; every request carried ``job=b``."""
+    lh = lighthouse(min_replicas=1, http_bind="127.0.0.1:0")
+    client(lh, job="a").heartbeat("replica_of_a")
+    client(lh, job="b").heartbeat("replica_of_b")
+    dom = _render(f"{lh.http_address()}/?job=b")
+    assert "replica_of_b" in dom and "replica_of_a" not in dom, dom[-3000:]
+    picker = re.search(r'<label[^>]*id="job-picker"[^>]*>.*?</label>', dom, re.S)
+    assert picker is not None and "hidden" not in picker.group(0).split(">", 1)[0], dom[-3000:]
+    options = dict(re.findall(r'<option value="([^"]+)"([^>]*)>', picker.group(0)))
+    assert {"a", "b", "default"} <= set(options), picker.group(0)
+    assert "selected" in options["b"] and "selected" not in options["a"], picker.group(0)
+    assert "<title>rallypoint lighthouse: b</title>" in dom
+    dom = _render(f"{lh.http_address()}/?job=a")  # the other job, by the same route the picker takes
+    assert "replica_of_a" in dom and "replica_of_b" not in dom, dom[-3000:]

@@ -88,6 +88,37 @@ def test_one_leads_the_standby_refuses_and_takes_over_with_the_next_quorum_id(et
         b.shutdown()
 
 
+def test_each_job_keeps_its_own_quorum_id_in_etcd_across_a_failover(etcd_cluster) -> None:
+    """Jobs on an HA lighthouse: each job's quorum_id lives under its own etcd keys, is
+    written by the same compare-and-swap, and continues on the new leader."""
+    cl = etcd_cluster(members=1)
+    spec = cl.spec("/rallypoint/jobs")
+    a = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, state=spec, ha_ttl_s=1)
+    b = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, state=spec, ha_ttl_s=1)
+    clients = []
+    try:
+        assert a.leadership is not None and b.leadership is not None
+        _wait(lambda: a.leadership.leads() or b.leadership.leads(), 10, "a leader")
+        leader, standby = (a, b) if a.leadership.leads() else (b, a)
+        both = f"{leader.local_address()},{standby.local_address()}"
+        cx, cd = LighthouseClient(both, connect_timeout=5, job="x"), LighthouseClient(both, connect_timeout=5)
+        clients += [cx, cd]
+        x_ids = [cx.quorum("r", timeout=5, step=i, commit_failures=1).quorum_id for i in range(3)]
+        d_ids = [cd.quorum("r", timeout=5, step=1).quorum_id]
+        assert x_ids == [1, 2, 3] and d_ids == [1]
+        leader.shutdown()
+        _wait(lambda: standby.leadership.leads(), 10, "the standby to take over")
+        x_ids.append(cx.quorum("r", timeout=10, step=5, commit_failures=1).quorum_id)
+        d_ids.append(cd.quorum("r", timeout=10, step=5, commit_failures=1).quorum_id)
+        assert x_ids == [1, 2, 3, 4] and d_ids == [1, 2], (x_ids, d_ids)
+        assert standby.status(job="x")["quorum_id"] == 4
+    finally:
+        for c in clients:
+            c.close()
+        a.shutdown()
+        b.shutdown()
+
+
 def test_a_leader_that_loses_etcd_stops_answering_and_no_one_else_leads(etcd_cluster) -> None:
     cl = etcd_cluster(members=1)
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, state=cl.spec("/rallypoint/t2"), ha_ttl_s=1)

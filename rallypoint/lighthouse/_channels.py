@@ -10,6 +10,7 @@ import grpc
 
 from rallypoint._net import addr as addrs
 from rallypoint._net.auth import bearer_metadata, job_token
+from rallypoint._net.job import job_metadata, job_name
 from rallypoint._net.rpc import keepalive_channel_options
 from rallypoint._net.tls import TlsConfig
 from rallypoint._net.tls import channel as tls_channel
@@ -30,9 +31,11 @@ def split_addresses(addr: str) -> list[str]:
     return found
 
 
-def _metadata(token: str | None) -> list[tuple[str, str]] | None:
-    """The call metadata of the job token (the argument, else RALLYPOINT_TOKEN)."""
-    return bearer_metadata(job_token(token))
+def _metadata(token: str | None, job: str | None = None) -> list[tuple[str, str]] | None:
+    """The call metadata of the job token (the argument, else RALLYPOINT_TOKEN) and the job
+    name (the argument, else RALLYPOINT_JOB; nothing for the default job)."""
+    found = (bearer_metadata(job_token(token)) or []) + job_metadata(job_name(job))
+    return found or None
 
 
 def _not_leader(e: grpc.RpcError) -> bool:

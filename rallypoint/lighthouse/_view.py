@@ -33,8 +33,9 @@ class _View:
     """What the HTTP app sees (called on the loop thread)."""
 
     def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, token: str | None, tls: TlsConfig,
-                 on_restart: Callable[[], None] | None = None) -> None:
+                 on_restart: Callable[[], None] | None = None, job: str = "default") -> None:
         self.core = core
+        self.job = job
         self._metrics = metrics
         self._token = token
         self._tls = tls
@@ -50,8 +51,9 @@ class _View:
             raise RuntimeError("standby lighthouse: not the leader (HA); ask the lighthouse that leads")
         if inj.kind in LIGHTHOUSE_KINDS:
             if self._on_restart is None:
-                raise RuntimeError("this lighthouse cannot restart itself (it is embedded in another program); "
-                                   "lighthouse-restart needs one started by `rallypoint lighthouse`")
+                raise RuntimeError("this lighthouse cannot restart itself (it is embedded in another program, or the "
+                                   "injection came for a job other than 'default': a restart costs every job a "
+                                   "recovery); lighthouse-restart needs one started by `rallypoint lighthouse`")
             self.core.store.record_event("inject", None, injection=inj.id, injected=inj.kind)
             log.warning("injection %s: restarting the lighthouse", inj.id)
             asyncio.get_running_loop().call_later(0.2, self._on_restart)  # after the answer is out
@@ -69,6 +71,7 @@ class _View:
         s = self.core.status()
         s["lighthouse"] = {"version": __version__, "started": self.core.started, "state_path": self.core.store.path,
                            "role": self.role()}
+        s["job"] = self.job
         return s
 
     def events(self, limit: int, since_id: int | None, replica_id: str | None) -> list[dict]:

@@ -85,15 +85,16 @@ class LighthouseClient:
     """
 
     def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0, token: str | None = None,
-                 *, tls: TlsConfig | None = None) -> None:
-        """``token``: the job token (default ``RALLYPOINT_TOKEN``); ``tls``: the job's TLS
+                 *, tls: TlsConfig | None = None, job: str | None = None) -> None:
+        """``token``: the job token (default ``RALLYPOINT_TOKEN``); ``job``: the job's name on
+        a lighthouse that serves several (default ``RALLYPOINT_JOB``, else ``default``); ``tls``: the job's TLS
         settings (default ``RALLYPOINT_TLS_*``; TLS when a CA is set or ``addr`` is https).
         Returns once any of the lighthouses is reachable (ConnectionError naming them all
         when none is within ``connect_timeout``)."""
         self.addr = addr
         self.addresses = split_addresses(addr)
         self._connect_timeout = seconds(connect_timeout)
-        self._metadata = _metadata(token)
+        self._metadata = _metadata(token, job)
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._endpoints = _endpoints(self.addresses, tls or tls_config())

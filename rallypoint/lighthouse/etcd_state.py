@@ -17,6 +17,10 @@ What lives in etcd, under ``prefix``:
   ``quorum_id`` is strictly increasing across failovers, and a deposed leader can never
   hand out an id.
 - ``events/NNNN``: the event log, as a ring of the last :data:`EVENT_RING` entries.
+- ``jobs/<name>/quorum_id``, ``jobs/<name>/quorum``, ``jobs/<name>/events/NNNN``: the same
+  for each job other than ``default`` (:mod:`~rallypoint.lighthouse.jobs`), loaded when the
+  job's first call reaches a leader, and written by the same compare-and-swap (the leader key
+  is one for every job).
 
 Not in etcd:
 - the goodput ledger, which stays in the leader's memory;
@@ -130,7 +134,8 @@ class EtcdSession:
         self.leader_until = 0.0  # monotonic: this lighthouse may act as leader until then
         self.lost = asyncio.Event()
         self._keeper: asyncio.Task | None = None
-        self._qid_written: int | None = None  # the quorum_id this leader last wrote (or read at election)
+        # Per job namespace ("" = the default job): the quorum_id this leader last wrote (or read at election).
+        self._qid_written: dict[str, int] = {}
         self._cas_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ connection
@@ -292,13 +297,14 @@ class EtcdSession:
             self._client = None
 
     # ------------------------------------------------------------------ state
-    async def load(self) -> tuple[Restored, list[Event]]:
-        """The state a new leader starts from."""
-        qid_kv = await self.call(lambda c: c.get(self.spec.key("quorum_id")))
-        quorum_kv = await self.call(lambda c: c.get(self.spec.key("quorum")))
+    async def load(self, ns: str = "") -> tuple[Restored, list[Event]]:
+        """The state a new leader starts from, for the job whose keys live under ``ns``
+        (:func:`~rallypoint.lighthouse.jobs.etcd_namespace`; "" for the default job)."""
+        qid_kv = await self.call(lambda c: c.get(self.spec.key(ns + "quorum_id")))
+        quorum_kv = await self.call(lambda c: c.get(self.spec.key(ns + "quorum")))
         qid = int(qid_kv.value) if qid_kv is not None else 0
         quorum = quorum_from_json(quorum_kv.value) if quorum_kv is not None else None
-        rows = await self.call(lambda c: c.get_prefix(self.spec.key("events/")))
+        rows = await self.call(lambda c: c.get_prefix(self.spec.key(ns + "events/")))
         events = []
         for kv in rows or ():
             try:
@@ -308,16 +314,16 @@ class EtcdSession:
             except (ValueError, KeyError, TypeError):
                 continue
         events.sort(key=lambda e: e.id)
-        self._qid_written = qid
+        self._qid_written[ns] = qid
         return Restored(quorum_id=qid, last_quorum=quorum, events=len(events)), events
 
-    async def cas_quorum(self, quorum: Quorum) -> bool:
+    async def cas_quorum(self, quorum: Quorum, ns: str = "") -> bool:
         """Write ``quorum`` (and its id) if this lighthouse still leads and nobody wrote an id
         since it last did; False otherwise (then it steps down)."""
         if not self.leads():
             return False
-        qkey, leader = self.spec.key("quorum_id"), self.spec.key("leader")
-        expected = self._qid_written or 0
+        qkey, leader = self.spec.key(ns + "quorum_id"), self.spec.key("leader")
+        expected = self._qid_written.get(ns) or 0
         ident = json.dumps(self.identity)[1:-1]  # as it appears inside the leader value
 
         async def txn(c: Any) -> Any:
@@ -329,36 +335,36 @@ class EtcdSession:
                            else c.transactions.version(qkey) == 0)
             return await c.transaction(compare=compare, success=[
                 c.transactions.put(qkey, str(quorum.quorum_id).encode()),
-                c.transactions.put(self.spec.key("quorum"), quorum_json(quorum).encode())], failure=[])
+                c.transactions.put(self.spec.key(ns + "quorum"), quorum_json(quorum).encode())], failure=[])
 
         async with self._cas_lock:
             try:
                 ok, _ = await self._call(txn)  # once: a txn that timed out may have committed
             except Exception as e:  # noqa: BLE001
-                ok = await self._committed(quorum.quorum_id, e)
+                ok = await self._committed(quorum.quorum_id, e, ns)
             if ok:
-                self._qid_written = quorum.quorum_id
+                self._qid_written[ns] = quorum.quorum_id
             else:
                 self._step_down(f"the compare-and-swap of quorum_id {expected} -> {quorum.quorum_id} failed "
                                 f"(this lighthouse ({ident}) does not lead any more, or cannot reach etcd)")
             return bool(ok)
 
-    async def _committed(self, quorum_id: int, error: Exception) -> bool:
+    async def _committed(self, quorum_id: int, error: Exception, ns: str = "") -> bool:
         """After a failed compare-and-swap call: did it commit anyway (read back)?"""
         log.warning("writing quorum %d to etcd failed (%s: %s); reading it back", quorum_id, type(error).__name__, error)
         try:
-            got = await self.call(lambda c: c.get(self.spec.key("quorum_id")))
+            got = await self.call(lambda c: c.get(self.spec.key(ns + "quorum_id")))
             leader = await self.call(lambda c: c.get(self.spec.key("leader")))
         except Exception:  # noqa: BLE001 - cannot tell: not confirmed
             return False
         return (got is not None and int(got.value) == quorum_id and leader is not None
                 and json.loads(leader.value).get("identity") == self.identity)
 
-    async def put_event(self, event: Event) -> None:
+    async def put_event(self, event: Event, ns: str = "") -> None:
         doc = {"id": event.id, "time": event.time, "kind": event.kind, "replica_id": event.replica_id,
                "detail": event.detail}
         text = json.dumps(doc, default=str)
-        await self.call(lambda c: c.put(self.spec.key(f"events/{event.id % EVENT_RING:04d}"), text.encode()))
+        await self.call(lambda c: c.put(self.spec.key(f"{ns}events/{event.id % EVENT_RING:04d}"), text.encode()))
 
 
 class EtcdStore(StateStore):
@@ -370,9 +376,10 @@ class EtcdStore(StateStore):
     strict = True  # a quorum that is not confirmed written is not answered (core._persist_then_answer)
 
     def __init__(self, session: EtcdSession, restored: Restored, events: list[Event],
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, ns: str = "") -> None:
         super().__init__(MEMORY, max_events=EVENT_RING)
         self._session = session
+        self._ns = ns  # the job's key namespace ("" for the default job)
         self._loop = loop
         self._restored = restored
         self._ring.extend(events)
@@ -382,7 +389,7 @@ class EtcdStore(StateStore):
 
     @property
     def path(self) -> str:
-        return str(self._session.spec)
+        return str(self._session.spec) + (f" ({self._ns.rstrip('/')})" if self._ns else "")
 
     @property
     def local_path(self) -> None:
@@ -404,7 +411,7 @@ class EtcdStore(StateStore):
 
     async def _put(self, event: Event) -> None:
         try:
-            await self._session.put_event(event)
+            await self._session.put_event(event, self._ns)
         except Exception as e:  # noqa: BLE001 - the event stays in memory; etcd misses it
             log.debug("event %d not written to etcd: %s", event.id, e)
 
@@ -412,7 +419,7 @@ class EtcdStore(StateStore):
         quorum = self._pending
         if quorum is None:
             return True
-        fut = asyncio.run_coroutine_threadsafe(self._session.cas_quorum(quorum), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._session.cas_quorum(quorum, self._ns), self._loop)
         try:  # the compare-and-swap has its own bound (a read-back included): wait for it
             ok = bool(fut.result(max(timeout, 4 * self._session.timeout + 2)))
         except Exception:  # noqa: BLE001 - not confirmed

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Awaitable
+from typing import Any, Callable
 
 from rallypoint.lighthouse.core import LighthouseCore
 from rallypoint.lighthouse.etcd_state import EtcdSession, EtcdStore
@@ -31,12 +32,16 @@ log = logging.getLogger("rallypoint.lighthouse")
 class Leadership:
     """Runs the election and swaps the serving core (``install``) for each term."""
 
-    def __init__(self, session: EtcdSession, address: str, make_core: Callable[[StateStore], LighthouseCore],
-                 install: Callable[[LighthouseCore], None]) -> None:
+    def __init__(self, session: EtcdSession, address: str, make_job: Callable[[StateStore], Any],
+                 install: Callable[[Any], None], retire: Callable[[], Awaitable[None]] | None = None) -> None:
+        """``make_job(store)`` builds the default job (anything with a ``.core``) from the
+        state etcd holds; ``install`` serves it; ``retire`` stops the term's other jobs
+        (they were loaded from etcd during the term, and end with it)."""
         self.session = session
         self.address = address
-        self._make_core = make_core
+        self._make_job = make_job
         self._install = install
+        self._retire = retire
         self.core: LighthouseCore | None = None
         self.terms = 0
         self.elected = asyncio.Event()
@@ -70,10 +75,11 @@ class Leadership:
         """One term: load the state, serve from a fresh core until the lead is lost or ``stop``."""
         restored, events = await self.session.load()
         store = EtcdStore(self.session, restored, events, loop)
-        core = self._make_core(store)
+        job = self._make_job(store)
+        core: LighthouseCore = job.core
         core.start()
         self.core = core
-        self._install(core)
+        self._install(job)
         self.terms += 1
         self.elected.set()
         log.warning("leading the job from %s (term %d): quorum_id %d, last quorum %s", self.session.spec,
@@ -89,6 +95,8 @@ class Leadership:
             self.core = None
             await core.stop()  # waiting calls fail, streams end: the groups go to the new leader
             store.close()
+            if self._retire is not None:
+                await self._retire()
         if not stop.is_set():
             log.warning("stepped down; standing by")
 

@@ -10,8 +10,10 @@ next to the gRPC server. That is the point of this module's shape:
   behave the same as for the gRPC port and a bind error names the address) and never
   lets uvicorn touch process signals or logging configuration: the lighthouse owns both.
 
-Read-only routes stay open; the mutating routes (kill, inject) need the lighthouse's bearer
-token when one is configured, because killing or faulting a replica costs the job a recovery.
+With a token configured every route that reveals or changes state needs it (``/healthz``
+and the dashboard shell stay open). A lighthouse serving many jobs (``jobs=``) picks the job
+from ``?job=`` and checks each request against that job's credential
+(:mod:`rallypoint.lighthouse._jobs_http`).
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from rallypoint._net import addr as addrs
-from rallypoint._net.auth import bearer_matches, bearer_token
+from rallypoint._net.job import DEFAULT_JOB
 from rallypoint._net.inject import Injection
 from rallypoint._net.tls import TlsConfig, uvicorn_ssl_kwargs
 from rallypoint.lighthouse._goodput_http import add_goodput_route
+from rallypoint.lighthouse._jobs_http import AUTH_HELP  # noqa: F401 - re-exported (tests, users)
+from rallypoint.lighthouse._jobs_http import Admit, JobSource, Picked, add_job_routes, client_of
+from rallypoint.lighthouse._jobs_http import default_admit, job_picker, single_job_picker
 from rallypoint.lighthouse._http_body import DEFAULT_KILL_REASON  # noqa: F401 - re-exported (tests, users)
 from rallypoint.lighthouse._http_body import kill_reason as _kill_reason, read_capped as _read_capped
 from rallypoint.lighthouse.injections import MAX_REQUEST_BYTES, UnknownReplica, check_request
@@ -59,12 +64,6 @@ START_TIMEOUT_S = 10.0
 
 #: Poll period while waiting for uvicorn's ``started`` flag (uvicorn has no event for it).
 _START_POLL_S = 0.005
-
-AUTH_HELP = (
-    "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
-    "(the lighthouse's --token / RALLYPOINT_TOKEN)"
-)
-
 
 class LighthouseView(Protocol):
     """What the HTTP app needs from the lighthouse; implemented by the gRPC server.
@@ -104,14 +103,11 @@ def _dashboard_html() -> str:
     return DASHBOARD_PATH.read_text(encoding="utf-8")
 
 
-def _client(request: Request) -> str:
-    """``host:port`` of the caller, for log lines about who was refused or who killed."""
-    if request.client is None:
-        return "unknown client"
-    return f"{request.client.host}:{request.client.port}"
+_client = client_of  # the name tests and older code use
 
 
-def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
+def create_app(view: LighthouseView, token: str | None = None, *, jobs: JobSource | None = None,
+               admit: Admit | None = None) -> FastAPI:
     """Build the lighthouse's FastAPI app over ``view``.
 
     ``token``: when set, every route that reveals or changes state (``/status``,
@@ -120,31 +116,30 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
     dashboard shell (``/``, which asks for the token) stay open.
     The interactive docs (/docs, /redoc) are off: they load scripts from a CDN, and
     lighthouses often run on hosts without internet access.
+
+    ``jobs`` (the lighthouse's job table): serve many jobs. Every state route then takes
+    ``?job=NAME`` (default ``default``) and checks the caller with ``admit(job,
+    authorization header)`` (default: ``jobs.admit`` over ``token`` and the table's
+    configs) instead of ``token`` alone; ``GET /jobs`` lists the jobs the caller may see and
+    ``GET /metrics`` merges theirs (see :mod:`rallypoint.lighthouse._jobs_http`). Without
+    ``jobs`` the app serves ``view`` alone, as before jobs existed.
     """
     app = FastAPI(
         title="rallypoint lighthouse",
         docs_url=None,
         redoc_url=None,
     )
-    async def require_token(request: Request) -> None:
-        """Reject a request without the right bearer token (constant-time compare)."""
-        if not token:
-            return
-        header = request.headers.get("authorization")
-        if not bearer_matches(header, token):
-            given = bearer_token(header)
-            logger.warning(
-                "refused %s %s from %s: %s",
-                request.method,
-                request.url.path,
-                _client(request),
-                "wrong bearer token" if given is not None else "no bearer token",
-            )
-            raise HTTPException(
-                status_code=401,
-                detail=AUTH_HELP,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+    if jobs is None:
+        pick = single_job_picker(view, token)
+    else:
+        admits = admit if admit is not None else default_admit(token, jobs.configs)
+        pick = job_picker(view, jobs, admits)
+
+    def status_doc(picked: Picked) -> dict[str, Any]:
+        doc = picked.view.status()
+        if jobs is None or "job" in doc:
+            return doc  # type: ignore[no-any-return]
+        return {**doc, "job": picked.job}  # which job this is: `rallypoint status --job` checks it
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def dashboard() -> HTMLResponse:
@@ -156,20 +151,25 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
         """Liveness for load balancers and probes: reveals nothing."""
         return JSONResponse({"ok": True}, headers={"Cache-Control": "no-store"})
 
-    @app.get("/status", dependencies=[Depends(require_token)])
-    async def status() -> JSONResponse:
-        """The view's status snapshot, passed through unchanged."""
-        return JSONResponse(view.status(), headers={"Cache-Control": "no-store"})
+    @app.get("/status")
+    async def status(picked: Picked = Depends(pick)) -> JSONResponse:
+        """The view's status snapshot, passed through unchanged (with ``job`` added when
+        the lighthouse serves jobs)."""
+        return JSONResponse(status_doc(picked), headers={"Cache-Control": "no-store"})
 
-    add_goodput_route(app, view, require_token)  # GET /goodput: the goodput ledger
+    add_goodput_route(app, pick)  # GET /goodput: the goodput ledger
 
-    @app.get("/metrics", dependencies=[Depends(require_token)])
-    async def metrics() -> Response:
-        """Prometheus scrape endpoint."""
-        return Response(view.metrics(), media_type=METRICS_CONTENT_TYPE)
+    if jobs is None:
+        @app.get("/metrics")
+        async def metrics(picked: Picked = Depends(pick)) -> Response:
+            """Prometheus scrape endpoint."""
+            return Response(picked.view.metrics(), media_type=METRICS_CONTENT_TYPE)
+    else:
+        add_job_routes(app, jobs, admits, token, pick)  # GET /jobs, GET /metrics (every admitted job)
 
-    @app.get("/events", dependencies=[Depends(require_token)])
+    @app.get("/events")
     async def events(
+        picked: Picked = Depends(pick),
         limit: int = Query(100, ge=1, le=1000, description="at most this many events"),
         # A string so that an empty "since_id=" (what a form or a naive client sends)
         # means "no filter" instead of a 422; anything non-numeric is still a 422.
@@ -179,7 +179,7 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
         """Recent events from the lighthouse's event log."""
         since = int(since_id) if since_id is not None and since_id.strip() else None
         return JSONResponse(
-            view.events(limit=limit, since_id=since, replica_id=replica_id or None),
+            picked.view.events(limit=limit, since_id=since, replica_id=replica_id or None),
             headers={"Cache-Control": "no-store"},
         )
 
@@ -187,7 +187,6 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
     # trailing "/kill" anchors the match.
     @app.post(
         "/replica/{replica_id:path}/kill",
-        dependencies=[Depends(require_token)],
         openapi_extra={
             "requestBody": {
                 "required": False,
@@ -199,29 +198,29 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
             }
         },
     )
-    async def kill(replica_id: str, request: Request) -> JSONResponse:
+    async def kill(replica_id: str, request: Request, picked: Picked = Depends(pick)) -> JSONResponse:
         """Ask the replica's manager to exit; the job then heals without it.
 
         Body (optional): ``{"reason": "..."}``, forwarded to the manager and logged.
         """
         reason = await _kill_reason(request)
+        who = _who(replica_id, picked.job)
         started = time.monotonic()
         try:
             async with asyncio.timeout(KILL_TIMEOUT_S):
-                address = await view.kill(replica_id, reason)
+                address = await picked.view.kill(replica_id, reason)
         except KeyError:
-            logger.info("kill of unknown replica %r requested by %s", replica_id, _client(request))
+            logger.info("kill of unknown %s requested by %s", who, _client(request))
             raise HTTPException(
                 status_code=404,
                 detail=(
                     f"unknown replica {replica_id!r}: the lighthouse has no replica with "
                     "this id (GET /status lists the known replicas)"
+                    + ("" if picked.job == DEFAULT_JOB else f" in job {picked.job!r}")
                 ),
             ) from None
         except TimeoutError:
-            logger.warning(
-                "kill of replica %r: its manager did not answer within %.0f s", replica_id, KILL_TIMEOUT_S
-            )
+            logger.warning("kill of %s: its manager did not answer within %.0f s", who, KILL_TIMEOUT_S)
             raise HTTPException(
                 status_code=502,
                 detail=(
@@ -230,7 +229,7 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
                 ),
             ) from None
         except Exception as exc:  # the view's contract: anything else = manager unreachable
-            logger.warning("kill of replica %r failed: %s: %s", replica_id, type(exc).__name__, exc)
+            logger.warning("kill of %s failed: %s: %s", who, type(exc).__name__, exc)
             raise HTTPException(
                 status_code=502,
                 detail=(
@@ -239,8 +238,8 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
                 ),
             ) from None
         logger.warning(
-            "killed replica %r (manager %s) on request of %s in %.3f s: %s",
-            replica_id,
+            "killed %s (manager %s) on request of %s in %.3f s: %s",
+            who,
             address,
             _client(request),
             time.monotonic() - started,
@@ -248,24 +247,30 @@ def create_app(view: LighthouseView, token: str | None = None) -> FastAPI:
         )
         return JSONResponse({"replica_id": replica_id, "address": address, "reason": reason})
 
-    @app.post("/inject", dependencies=[Depends(require_token)])
-    async def inject(request: Request) -> JSONResponse:
+    @app.post("/inject")
+    async def inject(request: Request, picked: Picked = Depends(pick)) -> JSONResponse:
         """A fault injection (``rallypoint inject``; :mod:`rallypoint.lighthouse.injections`):
         ``{"kind": "slow", "replica": "replica_1", "factor": 3, "for_s": 30}``."""
         raw = await _read_capped(request, MAX_REQUEST_BYTES, "inject")
         try:
             name, inj = check_request(raw)
-            rid = view.inject(name, inj)
+            rid = picked.view.inject(name, inj)
         except UnknownReplica as e:
             raise HTTPException(status_code=404, detail=str(e)) from None
         except ValueError as e:  # a malformed request, or too many waiting for the replica
             raise HTTPException(status_code=422, detail=str(e)) from None
         except RuntimeError as e:
             raise HTTPException(status_code=409, detail=str(e)) from None
-        logger.warning("injection %s (%s) into %r requested by %s", inj.id, inj.kind, rid, _client(request))
+        logger.warning("injection %s (%s) into %s requested by %s", inj.id, inj.kind, _who(rid, picked.job),
+                       _client(request))
         return JSONResponse({"id": inj.id, "kind": inj.kind, "replica_id": rid})
 
     return app
+
+
+def _who(replica_id: str, job: str) -> str:
+    """``replica 'x'``, with its job when not the default one (for log lines)."""
+    return f"replica {replica_id!r}" + ("" if job == DEFAULT_JOB else f" of job {job!r}")
 
 
 # --------------------------------------------------------------------------- serving

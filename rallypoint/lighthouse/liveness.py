@@ -43,6 +43,7 @@ class LivenessStream:
         *,
         token: str | None = None,
         tls: TlsConfig | None = None,
+        job: str | None = None,
         ping_interval: float | None = 1.0,
         on_peer_down: Callable[[str, str], None] | None = None,
         reconnect_backoff: tuple[float, float] = (0.1, 2.0),
@@ -53,7 +54,7 @@ class LivenessStream:
         self.addresses = split_addresses(addr)
         self.replica_id = replica_id
         self.address = address
-        self._metadata = _metadata(token)
+        self._metadata = _metadata(token, job)  # job: RALLYPOINT_JOB by default
         self._ping_interval = ping_interval
         self._base_ping = ping_interval
         self._on_peer_down = on_peer_down
