@@ -251,7 +251,9 @@ def test_ddp_built_on_dummy_averages_through_our_group_in_a_comm_hook(master: An
         p.shutdown()
 
 
-def test_fake_wrapper_injects_one_failure_then_passes_through() -> None:
+def test_fake_wrapper_injects_one_failure_and_the_group_stays_broken_until_configure() -> None:
+    """As after a real failure, no later op is issued until the group is reconfigured: an
+    issued one would pair with the peers' injected-away op (another size: in gloo, SIGABRT)."""
     inner = ProcessGroupDummy(0, 2)
     fake = FakeProcessGroupWrapper(inner)
     assert (fake.rank(), fake.size()) == (0, 2)
@@ -261,7 +263,12 @@ def test_fake_wrapper_injects_one_failure_then_passes_through() -> None:
         w.wait()
     with pytest.raises(RuntimeError, match="boom"):
         w.get_future().wait()
-    assert fake.allreduce([torch.ones(1)]).wait()  # fired once
+    later = fake.allreduce([torch.ones(2)])
+    with pytest.raises(ProcessGroupError, match="not issued: an earlier op"):
+        later.wait()
+    assert inner.ops == 0 and fake.injected == 1
+    fake.configure("", "r", 0, 2, quorum_id=2)
+    assert fake.allreduce([torch.ones(1)]).wait() and inner.ops == 1  # fired once; a new configuration works
     fake.inject(ValueError("at call"), on="call")
     with pytest.raises(ValueError, match="at call"):
         fake.broadcast([torch.ones(1)])

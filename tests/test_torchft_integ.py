@@ -69,10 +69,8 @@ def _env(site: Path, **extra: str) -> dict[str, str]:
 
 def run_file(site: Path, rel: str, *args: str, **env: str) -> tuple[dict[str, tuple[str, str]], str]:
     """Run one of torchft's test files in ``site``; returns ({test id: (outcome, message)},
-    the output tail). Leases are off here (RALLYPOINT_LEASES=0) until an open bug is
-    fixed: with leases on, torchft's test_streaming_diloco_commit_failure can still hang
-    until its timeout (rallypoint/lighthouse/LEASES.md, "Known bug")."""
-    env.setdefault("RALLYPOINT_LEASES", "0")
+    the output tail). Leases are on, as for every user (rallypoint's default); the bug
+    they once exposed in test_streaming_diloco_commit_failure is in LEASES.md."""
     xml = site / f"{Path(rel).stem}.{os.getpid()}.xml"
     argv = [sys.executable, "-m", "pytest", "-c", "pytest.ini", "--rootdir", str(site), "-p", "no:cacheprovider",
             "-q", "-o", f"timeout={PER_TEST_TIMEOUT_S}", f"--junitxml={xml}", f"torchft/{rel}", *args]

@@ -249,14 +249,24 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
     ``inject(exc, on="wait")`` -> the next op's Work raises ``exc`` from ``wait()``
     (and its future fails); ``on="call"`` -> the next op call itself raises. The
     injection fires once. The inner op is not issued, so peers see this rank
-    missing, exactly as for a real failure.
+    missing, exactly as for a real failure. And as after a real failure, the group is
+    broken until the next ``configure()``: every later op fails without being issued.
+    Issuing them would pair this rank's next op with its peers' injected-away one
+    (another size, in gloo an uncaught exception in its event loop, and SIGABRT),
+    as soon as the ranks' failures land in different rounds.
     """
 
     def __init__(self, pg: ProcessGroup) -> None:
         super().__init__(pg)
         self._pending: tuple[Exception, str] | None = None
+        self._broken: Exception | None = None  # the injected failure, until configure()
         self._lock = threading.Lock()
         self.injected = 0
+
+    def configure(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        with self._lock:
+            self._broken = None
+        super().configure(*args, **kwargs)
 
     def inject(self, exc: Exception | None = None, on: str = "wait") -> None:
         if on not in ("wait", "call"):
@@ -271,7 +281,14 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
     def _call(self, name: str, *args: Any) -> Work:
         with self._lock:
             pending, self._pending = self._pending, None
+            broken = self._broken
+            if pending is not None:
+                self._broken = pending[0]
         if pending is None:
+            if broken is not None:
+                return FailedWork(ProcessGroupError(
+                    f"{name} not issued: an earlier op of this configuration failed ({broken!r}); reconfigure the group",
+                    op=name))
             return getattr(self._pg, name)(*args)
         exc, on = pending
         self.injected += 1
