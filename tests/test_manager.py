@@ -95,6 +95,35 @@ def test_killed_replica_survivor_continues_and_restart_heals(lighthouse_factory,
     assert_identical(r, ["replica_0", "replica_1"], target)
 
 
+def test_a_taken_manager_port_falls_back_to_one_the_os_picks(lighthouse_factory, monkeypatch) -> None:
+    """torchft's tests pass fixed manager ports (19530 + replica); one taken by anything
+    else must not fail the job: nobody dials it by number (the store and the quorum carry
+    the address), so the Manager serves on a port the OS picks and says so."""
+    from datetime import timedelta
+
+    import torch
+
+    from conftest import reserved_port
+    from rallypoint.manager import Manager
+    from rallypoint.process_groups import ProcessGroupGloo
+
+    lh = lighthouse_factory(min_replicas=1, join_timeout_ms=100)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(k, raising=False)
+    with reserved_port(listen=True) as taken:
+        m = Manager(ProcessGroupGloo(timeout=timedelta(seconds=5)), lambda sd: None, dict, min_replica_size=1,
+                    port=taken, hostname="127.0.0.1", store_addr="127.0.0.1", lighthouse_addr=lh.address(),
+                    replica_id="fixed", timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=5),
+                    connect_timeout=timedelta(seconds=5))
+        try:
+            assert not m._server.address().endswith(f":{taken}")
+            m.start_quorum()
+            m.allreduce(torch.tensor([1.0])).wait()
+            assert m.should_commit() and m.current_step() == 1
+        finally:
+            m.shutdown()
+
+
 def test_single_replica_in_process_errors_retries_and_state(lighthouse_factory, monkeypatch) -> None:
     """One replica group in this process: env fallbacks, a reported error turns the
     step's commit false and allreduce into a no-op, max_retries raises, state round-trips."""

@@ -71,19 +71,32 @@ class GroupConnection:
             mport = int(_env(port, "RALLYPOINT_MANAGER_PORT", "TORCHFT_MANAGER_PORT") or 0)
             from rallypoint.manager.server import ManagerServer
 
-            self._server = ManagerServer(
-                replica_id=rid,
-                lighthouse_addr=lh,
-                hostname=hostname,
-                bind=f"0.0.0.0:{mport}",
-                store_addr=f"{plan.advertise}:{self._store_port}",
-                world_size=self._group_world_size,
-                heartbeat_interval=heartbeat_interval,
-                connect_timeout=self._connect_timeout,
-                quorum_retries=quorum_retries,
-                on_peer_down=self._on_peer_down,
-                on_lease_left=self._on_lease_left,
-            )
+            def serve(bind_port: int) -> ManagerServer:
+                return ManagerServer(
+                    replica_id=rid,
+                    lighthouse_addr=lh,
+                    hostname=hostname,
+                    bind=f"0.0.0.0:{bind_port}",
+                    store_addr=f"{plan.advertise}:{self._store_port}",
+                    world_size=self._group_world_size,
+                    heartbeat_interval=heartbeat_interval,
+                    connect_timeout=self._connect_timeout,
+                    quorum_retries=quorum_retries,
+                    on_peer_down=self._on_peer_down,
+                    on_lease_left=self._on_lease_left,
+                )
+
+            try:
+                self._server = serve(mport)
+            except OSError as e:
+                if not mport:
+                    raise
+                # A fixed port (torchft's tests pass 19530 + replica) can be taken between
+                # runs. Nobody dials it by number: the group's ranks read the address from
+                # the store below, the lighthouse and the peers from the quorum. So the OS
+                # picks one instead of the job failing.
+                self._log.warning("manager port %d is taken (%s); serving on a port the OS picks instead", mport, e)
+                self._server = serve(0)
             self._store.set(MANAGER_ADDR_KEY, self._server.address())
             self._store.set(REPLICA_ID_KEY, rid)
         try:
