@@ -33,8 +33,11 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from _util import median, percentile, ratio  # noqa: E402
 
 log = logging.getLogger("bench.jobs")
 
@@ -63,11 +66,6 @@ ts = [threading.Thread(target=run, args=(k,)) for k in range(4)]
 [t.join() for t in ts]
 print(sum(counts))
 """
-
-
-def _percentile(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
 def _latencies(addr: str, job: str | None, n: int) -> list[float]:
@@ -109,7 +107,7 @@ def _case(name: str, addr_b: str, job_b: str | None, flood_addr: str | None, flo
                 p.kill()
                 p.wait(10)
     flood_rate = calls / args.flood_s if procs else 0.0
-    return {"case": name, "median_ms": 1e3 * _percentile(lat, 50), "p99_ms": 1e3 * _percentile(lat, 99),
+    return {"case": name, "median_ms": 1e3 * median(lat), "p99_ms": 1e3 * percentile(lat, 99),
             "max_ms": 1e3 * max(lat), "quorums": len(lat), "wall_s": wall, "flood_calls_per_s": flood_rate}
 
 
@@ -151,11 +149,11 @@ def main() -> int:
     print(f"{'case':48} {'median ms':>10} {'p99 ms':>8} {'max ms':>8} {'flood calls/s':>14}")
     for r in results:
         print(f"{r['case']:48} {r['median_ms']:10.2f} {r['p99_ms']:8.2f} {r['max_ms']:8.2f} {r['flood_calls_per_s']:14.0f}")
-    ratios = {"ours_heartbeat_flood_over_alone": results[1]["median_ms"] / results[0]["median_ms"],
-              "ours_malformed_flood_over_alone": results[2]["median_ms"] / results[0]["median_ms"],
-              "torchft_heartbeat_flood_over_alone": results[4]["median_ms"] / results[3]["median_ms"],
-              "ours_p99_heartbeat_flood_over_alone": results[1]["p99_ms"] / results[0]["p99_ms"],
-              "torchft_p99_heartbeat_flood_over_alone": results[4]["p99_ms"] / results[3]["p99_ms"]}
+    ratios = {"ours_heartbeat_flood_over_alone": ratio(results[1]["median_ms"], results[0]["median_ms"]),
+              "ours_malformed_flood_over_alone": ratio(results[2]["median_ms"], results[0]["median_ms"]),
+              "torchft_heartbeat_flood_over_alone": ratio(results[4]["median_ms"], results[3]["median_ms"]),
+              "ours_p99_heartbeat_flood_over_alone": ratio(results[1]["p99_ms"], results[0]["p99_ms"]),
+              "torchft_p99_heartbeat_flood_over_alone": ratio(results[4]["p99_ms"], results[3]["p99_ms"])}
     print(json.dumps({"bench": "jobs", "results": results, "ratios": ratios}))
     return 0
 

@@ -72,7 +72,7 @@ CALL_TIMEOUT = 20.0
 LEGAL = ("legal-a", "legal-b")
 #: Each legal replica must have formed more quorums than this while the attack ran.
 MIN_QUORUMS_DURING_ATTACK = 20
-#: The lighthouse's hello timeout (server.HELLO_TIMEOUT_S) is 10 s: silent streams end then.
+#: The lighthouse's hello timeout (_service.HELLO_TIMEOUT_S) is 10 s: silent streams end then.
 SILENT_STREAM_DEADLINE = 30.0
 
 #: Statuses no hostile call may ever end with: an unhandled error in the server.

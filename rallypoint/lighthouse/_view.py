@@ -13,6 +13,7 @@ import grpc
 from rallypoint._net import __version__
 from rallypoint._net import addr as addrs
 from rallypoint._net.inject import Injection
+from rallypoint._net.job import DEFAULT_JOB
 from rallypoint._net.rpc import channel_options
 from rallypoint._net.tls import TlsConfig, aio_channel
 from rallypoint._proto import torchft_pb2 as pb
@@ -33,7 +34,7 @@ class _View:
     """What the HTTP app sees (called on the loop thread)."""
 
     def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, token: str | None, tls: TlsConfig,
-                 on_restart: Callable[[], None] | None = None, job: str = "default") -> None:
+                 on_restart: Callable[[], None] | None = None, job: str = DEFAULT_JOB) -> None:
         self.core = core
         self.job = job
         self._metrics = metrics

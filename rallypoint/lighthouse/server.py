@@ -28,7 +28,7 @@ from rallypoint._net.tls import TlsConfig, add_port, check_server, tls_config
 from rallypoint._net import addr as addrs
 from rallypoint.lighthouse import reports
 from rallypoint.lighthouse._jobtable import Job, JobTable
-from rallypoint.lighthouse._service import HELLO_TIMEOUT_S, JobTokenInterceptor, _handlers, _Service
+from rallypoint.lighthouse._service import JobTokenInterceptor, _handlers, _Service
 from rallypoint.lighthouse.core import LighthouseCore
 from rallypoint.lighthouse.etcd_state import EtcdSession, EtcdStore, is_etcd, parse_spec
 from rallypoint.lighthouse.ha import Leadership
@@ -299,19 +299,18 @@ class LighthouseServer:
     def status(self, timeout: float = 5.0, job: str = DEFAULT_JOB) -> dict:
         """A snapshot of a job's lighthouse state (what ``GET /status`` returns; KeyError
         for a job the lighthouse does not serve)."""
-        def snapshot() -> dict:
-            self.job_core(job)  # KeyError for a job not served
-            return self.jobs.get(job).view.status()  # type: ignore[union-attr]
-
-        return self._call(snapshot, timeout)
+        return self._call(lambda: self._job(job).view.status(), timeout)
 
     def job_core(self, job: str) -> LighthouseCore:
         """The core serving ``job`` (KeyError if none does yet). Call on the loop thread,
         or for reading counters that a race cannot tear."""
+        return self._job(job).core
+
+    def _job(self, job: str) -> Job:
         found = self.jobs.get(job) if self.jobs is not None else None
         if found is None:
             raise KeyError(f"no job {job!r} on this lighthouse")
-        return found.core
+        return found
 
     def _call(self, fn: Any, timeout: float) -> Any:
         assert self._loop is not None
