@@ -160,12 +160,14 @@ def read_json(path: Path) -> dict | None:
 def two_training_groups(procs, lighthouse, tmp_path: Path, group1_args: tuple[str, ...] = (),
                         steps: int = TRAIN_STEPS) -> list[Proc]:
     """Two replica groups of two ranks training TRAIN with a Manager each (min 2 replicas);
-    ``group1_args``: more flags for group 1's ``rallypoint run``."""
+    ``group1_args``: more flags for group 1's ``rallypoint run``. Group 0 never restarts in
+    these tests, so it keeps no warm standbys: each one imports torch and torch._dynamo
+    (about 5 s of CPU here), which on a 2-core machine only slows the group under test."""
     lh = lighthouse(min_replicas=2, join_timeout_ms=10_000)
     (tmp_path / "train.py").write_text(TRAIN)
     env = _env(RALLYPOINT_LIGHTHOUSE=lh.address())
     return [run_group(procs, "--nproc-per-node", "2", "--replica-group-id", str(g), "--restart-backoff", "0.1",
-                      "--grace-period", "5", *(group1_args if g == 1 else ()), str(tmp_path / "train.py"),
+                      "--grace-period", "5", *(group1_args if g == 1 else ("--no-standby",)), str(tmp_path / "train.py"),
                       str(tmp_path), str(steps), name=f"group{g}", env=env) for g in range(2)]
 
 

@@ -249,3 +249,41 @@ def test_a_source_that_publishes_late_never_holds_up_the_receive(transports: Cal
     assert not alive, alive  # no worker left waiting for the late source's header
     first.disallow_checkpoint()
     assert first._served is None  # told done: withdrawn, nothing copied
+
+
+def test_the_freeze_copies_the_tail_while_the_head_is_still_delivered() -> None:
+    """The freeze works back to front. While it copies the last tensor, a receiver reads the
+    first three from the caller's live memory. Those are then delivered and retired, not
+    copied, so only the tail is copied. The receiver reads the last tensor from the copy
+    after the caller has changed its state (its optimizer step), and the stream it got
+    decodes to the state as served, never a torn mix."""
+    import copy as copy_mod
+
+    from rallypoint.transports import wire
+    from rallypoint.transports._live import LiveEncoded
+
+    sd = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(4)}  # 1 MiB each, served live
+    want = copy_mod.deepcopy(sd)
+    enc = LiveEncoded(wire.encode(sd, block=1 << 18, copy_below=1, sums="inline"), receivers=1)
+    got = bytearray(enc.header)
+    stream = enc.iter_data()
+    copies: list[int] = []
+    real_copy = enc._copy
+
+    def copy_while_the_receiver_reads(ti: int) -> Any:
+        copies.append(ti)
+        while not enc.delivered_tensor(2):  # the serving threads go on meanwhile (into tensor 3)
+            got.extend(next(stream))
+        return real_copy(ti)
+
+    enc._copy = copy_while_the_receiver_reads  # type: ignore[method-assign]
+    assert enc.freeze(1.0) == 4 << 18  # one tensor's bytes: the last
+    assert copies == [3]
+    for t in sd.values():
+        t.add_(1)  # the caller's optimizer step, right after the freeze
+    for piece in stream:
+        got.extend(piece)
+    assert enc.delivered
+    assert_same(want, wire.decode(bytes(got)))
+    with pytest.raises(Exception, match="delivered and the sender has stepped since"):
+        next(enc.iter_data(0, 4 << 18))  # a retired tensor is never read again

@@ -400,6 +400,11 @@ def test_torch_init_process_group_works_across_a_restart(procs, tmp_path: Path) 
     assert restart["progress"] is False and restart["restart_s"] >= 0.05
 
 
+#: The restarts here are cold (new processes); tests/test_supervisor_standby.py covers the
+#: same failures restarted from warm standbys, the default.
+COLD = ("--no-standby",)
+
+
 @pytest.mark.slow
 def test_a_killed_rank_restarts_its_group_which_heals(procs, lighthouse, tmp_path: Path, strays) -> None:
     """Two replica groups, each ``rallypoint run --nproc-per-node 2`` with a Manager; rank 1
@@ -407,14 +412,14 @@ def test_a_killed_rank_restarts_its_group_which_heals(procs, lighthouse, tmp_pat
     (incarnation 1), they heal from group 0, and both groups finish at the same step with
     identical weights. The restart event names the rank and the signal, and counts the
     first incarnation's commits as progress (the Manager reported them)."""
-    sups = two_training_groups(procs, lighthouse, tmp_path)
+    sups = two_training_groups(procs, lighthouse, tmp_path, COLD)
     state = at_step_2(tmp_path, 1)
     strays.append(state["pid"])
     os.kill(state["pid"], signal.SIGKILL)
     both_groups_finish_alike(tmp_path, sups)
     (restart,) = events(sups[1], "restart")
     assert (restart["rank"], restart["cause"], restart["signal"]) == (1, "signal SIGKILL", "SIGKILL")
-    assert restart["progress"] is True and restart["streak"] == 0
+    assert restart["progress"] is True and restart["streak"] == 0 and restart["warm_ranks"] == []
 
 
 HANG_TIMEOUT = 3.0
@@ -429,7 +434,7 @@ def _hang_restart(sups: list[Proc], tmp_path: Path, hung_at: float) -> dict:
     assert (restart["cause"], restart["exit_code"], restart["signal"]) == ("hang", None, None), restart
     assert restart["rank"] in (0, 1) and restart["rank"] == restart["hung_ranks"][0], restart
     assert HANG_TIMEOUT <= restart["silent_s"] < HANG_TIMEOUT + 2 and restart["last_step"] >= 1, restart
-    assert restart["progress"] is True and restart["incarnation"] == 1
+    assert restart["progress"] is True and restart["incarnation"] == 1 and restart["warm_ranks"] == []
     err = sups[1].stderr_text()
     assert f"rank {restart['rank']} hung: no progress for" in err, err[-5000:]
     first = [json.loads((tmp_path / f"first1.g1.r{r}").read_text()) for r in range(2)]
@@ -447,7 +452,7 @@ def test_a_rank_hung_in_its_training_loop_restarts_its_group(procs, lighthouse, 
     creates). Its Manager keeps heartbeating, so only the watchdog (--hang-timeout 3) sees
     it: the group's stacks are dumped to the log (the sleeping frame among them), the group
     restarts within the timeout plus a few seconds, heals, and both groups finish alike."""
-    sups = two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(HANG_TIMEOUT)))
+    sups = two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(HANG_TIMEOUT), *COLD))
     strays.extend(at_step_2(tmp_path, r)["pid"] for r in range(2))
     marked = time.time()
     (tmp_path / "hang.g1.r1").write_text("")
@@ -466,7 +471,7 @@ def test_a_sigstopped_rank_restarts_its_group(procs, lighthouse, tmp_path: Path,
     """Rank 1 of group 1 is SIGSTOPped mid-training: the watchdog restarts the group (the
     stopped rank cannot dump its stacks or act on SIGTERM; it is not waited for), which
     heals and trains on; no rank of the first incarnation is left, stopped or otherwise."""
-    sups = two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(HANG_TIMEOUT)))
+    sups = two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(HANG_TIMEOUT), *COLD))
     pids = [at_step_2(tmp_path, r)["pid"] for r in range(2)]
     strays.extend(pids)
     stopped = time.time()

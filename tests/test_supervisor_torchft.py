@@ -82,7 +82,8 @@ def test_torchfts_manager_under_rallypoint_run_survives_a_killed_rank(procs, lig
     (tmp_path / "train_torchft.py").write_text(SCRIPT)
     env = _env()
     sups = [run_group(procs, "--nproc-per-node", "2", "--replica-group-id", str(g), "--lighthouse", lh.address(),
-                      "--standby-delay", "0", "--grace-period", "5", str(tmp_path / "train_torchft.py"),
+                      "--standby-delay", "0", "--grace-period", "5", *(() if g else ("--no-standby",)),
+                      str(tmp_path / "train_torchft.py"),
                       str(tmp_path), name=f"tf{g}", env=env) for g in range(2)]
 
     def at(step: int, g: int, r: int):

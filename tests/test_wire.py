@@ -444,3 +444,21 @@ def test_short_reads_and_mixed_sizes(seed: int, most: int, in_place: bool, sums:
     out = wire.decode_from(ShortReads(data, seed, most), into=target, in_place=in_place)
     assert_same(sd, out)
     assert out["big"] is target["big"]
+
+
+@pytest.mark.parametrize("sums", ["header", "inline"])
+@pytest.mark.parametrize("where", [0.0, 0.3, 0.999])
+def test_a_big_piece_summed_as_it_is_read_still_catches_a_flipped_byte(sums: str, where: float) -> None:
+    """Big pieces are checksummed read by read (each read while its bytes are in cache),
+    including one begun by the scratch read of the tiny tensors before it: a flipped byte
+    at the start, the middle or the end of such a piece fails its check, naming it."""
+    g = torch.Generator().manual_seed(3)
+    sd = {"tiny": [torch.randn(3, generator=g) for _ in range(300)], "big": torch.randn(100_000, generator=g)}
+    enc = wire.encode(sd, block=1 << 16, sums=sums)
+    data = bytearray(wire.to_bytes(sd, block=1 << 16, sums=sums))
+    tiny_wire = enc.wire_bytes(0, 300 * 3 * 4)
+    data[len(enc.header) + tiny_wire + int(where * (1 << 16))] ^= 0x40  # inside big's first piece
+    for most in (333, 70_000, 1 << 20):
+        with pytest.raises(WireError, match="checksum mismatch") as ei:
+            wire.decode_from(ShortReads(bytes(data), 1, most))
+        assert ei.value.key == "['big']"

@@ -10,9 +10,8 @@ sender with one and a receiver with the other agree.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-crc32: Callable[[Any], int]
+crc32: Callable[..., int]  # (data, value=0): a running CRC continues from value
 try:
     from isal.isal_zlib import crc32 as _isal_crc32
 

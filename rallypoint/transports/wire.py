@@ -252,14 +252,16 @@ class Sink:
         for pi in pieces:
             self._verify(pi)
 
-    def _verify(self, pi: int, crc: int | None = None) -> None:
-        """Check piece ``pi`` against ``crc`` (inline) or the header's checksum."""
+    def _verify(self, pi: int, crc: int | None = None, got: int | None = None) -> None:
+        """Check piece ``pi`` against ``crc`` (inline) or the header's checksum; ``got``:
+        the piece's CRC-32 already computed as its bytes arrived (else computed here)."""
         ds, ln, ti, st, hcrc = self.header.pieces[pi]
         if self.header.tensors[ti].device:
             raise WireError(f"{self.header.tensors[ti].key}: sent from device memory, not as a byte stream",
                             key=self.header.tensors[ti].key)
         crc = hcrc if crc is None else crc
-        got = crc32(self._views[ti][st : st + ln])
+        if got is None:
+            got = crc32(self._views[ti][st : st + ln])
         if got != crc:
             spec = self.header.tensors[ti]
             raise WireError(
