@@ -51,6 +51,17 @@ EXCEPTIONS = {
 #: Skips allowed (torchft skips them here too): no GPU, no torchcomms.
 SKIP_REASONS = ("gpu", "cuda", "torchcomms")
 
+#: torchft tests with a race in their own code, and why. Such a test that fails is run again
+#: on its own (at most twice) and must pass then; any other failure fails at once.
+RACY = {
+    "torchft.manager_integ_test.ManagerIntegTest.test_ddp_skip_init_sync": (
+        "its two replica threads share torch's global RNG: each seeds it and builds its model under "
+        "INIT_LOCK, but the training loop's torch.rand (outside the lock) of the replica that is done "
+        "first can draw inside the other's seeded init; with init_sync=False nothing syncs the two "
+        "models, so they end apart (seen once in a full-file run on a loaded machine; 8 of 8 runs alone pass)"
+    ),
+}
+
 #: Tests per file in torchft 0.2.0's wheel (so none silently disappears from the run).
 COUNTS = {"manager_integ_test.py": 10, "local_sgd_integ_test.py": 28, "diloco_regression_test.py": 7}
 
@@ -127,6 +138,12 @@ def test_torchft_integration_tests_pass_against_rallypoint(site: Path, rel: str)
             continue
         if outcome != "passed":
             bad[tid] = (outcome, message)
+    for tid in [t for t in bad if t in RACY]:
+        for _ in range(2):
+            again, _tail = run_file(site, rel, "-k", tid.rsplit(".", 1)[1])
+            if again.get(tid, ("missing", ""))[0] == "passed":
+                print(f"{tid} failed ({bad.pop(tid)[1][:200]}) and passed when run again: {RACY[tid]}")
+                break
     assert not bad, f"{len(bad)} of torchft's tests did not pass against rallypoint: {bad}\n{tail}"
     passed = sum(1 for o, _ in results.values() if o == "passed")
     print(f"{rel}: {passed} passed, {len(results) - passed} not (exceptions/skips)")
