@@ -51,7 +51,10 @@ def test_a_member_leaving_the_lease_fails_its_peers_round_now_not_at_the_timeout
     which replica_1 will never join. The revoke names it (after step 5: it retries step 6,
     so every round of the lease from step 6 on may lack it): their round fails at once, and
     everyone goes on -- long before the 60 s collective timeout."""
-    lh = lighthouse(min_replicas=2, join_timeout_ms=2000)
+    # min_replicas 3: the first quorum waits for all three, so replica_1 is in the lease by
+    # step 6 (with 2, on a loaded machine its late start let the others train past step 6
+    # without it, and it never failed that step).
+    lh = lighthouse(min_replicas=3, join_timeout_ms=2000)
     r = replicas_factory(lh)
     opts = {"delay": 0.02, "timeout": 60}
     r.start("replica_0", seed=1, **opts)
