@@ -21,6 +21,9 @@ wall-clock limit). Options (a JSON object on the command line):
 - ``sdc``: the gradient-norm check on; ``sdc_every``: the parameter check every N steps.
 - ``training_thread``: ``heal_on_training_thread=True``; the progress file then lists the
   threads the state callbacks ran on (``state_threads``) next to the training thread's.
+- ``optimizer``: ``"torch"`` for ``torch.optim.SGD`` with momentum (its buffers are state
+  a heal must copy, or the healed replica's parameters drift from the others'); the
+  default is :class:`PlainSGD`.
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=init) * 0.5)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt: Any = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opts.get("optimizer") == "torch"
+                else PlainSGD(model.parameters(), lr=0.1))
 
     import threading
 
@@ -192,6 +196,39 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
         m.shutdown(wait=False)
         pg.shutdown()
     return rc
+
+
+class PlainSGD:
+    """SGD without momentum, written out: the optimizer interface the Manager's callers
+    use (``zero_grad``, ``step``, ``state_dict``, ``load_state_dict``) and nothing else.
+
+    Why not ``torch.optim.SGD`` everywhere: its ``step`` and ``state_dict`` import
+    ``torch._dynamo`` (about 2 s of CPU per process here), and these workers are started
+    some hundred times a suite on two cores. What these tests check (who commits, who
+    heals from whom, identical state) does not depend on the optimizer; the tests whose
+    point includes optimizer state pass ``optimizer="torch"``, and the DDP, FSDP,
+    DiLoCo, supervisor and example tests train with ``torch.optim`` throughout."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        self.params, self.lr = list(params), lr
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-self.lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr": self.lr}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.lr = float(sd["lr"])
 
 
 class Replicas:

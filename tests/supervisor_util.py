@@ -135,9 +135,9 @@ TRAIN = textwrap.dedent(
             pass
         optimizer.zero_grad()
         ddp(torch.ones(4, 3) * (rank + 1)).sum().backward()
-        optimizer.step()
+        committed = optimizer.step()  # rallypoint's wrapper says whether the step committed
         save("state")
-        if first:
+        if first and committed:
             save(f"first{inc}", started=started, t=time.time())  # the first commit of this start
             first = False
         time.sleep(0.05)
@@ -182,15 +182,61 @@ def at_step_2(tmp_path: Path, rank: int) -> dict:
     return state
 
 
-def both_groups_finish_alike(tmp_path: Path, sups: list[Proc], steps: int = TRAIN_STEPS) -> dict:
-    """Both supervisors exit 0; every rank ends at the last step, group 1's in incarnation 1
-    (restarted once), group 0's in incarnation 0, with identical weights across groups."""
+def both_groups_finish_alike(tmp_path: Path, sups: list[Proc], steps: int = TRAIN_STEPS, inc: int = 1) -> dict:
+    """Both supervisors exit 0; every rank ends at the last step, group 1's in incarnation
+    ``inc`` (restarted that many times), group 0's in incarnation 0, with identical
+    weights across groups."""
     for s in sups:
         assert s.wait(90) == 0, s.stderr_text()[-5000:]
     final = {(g, r): json.loads((tmp_path / f"final.g{g}.r{r}").read_text()) for g in range(2) for r in range(2)}
     assert {f["step"] for f in final.values()} == {steps}
-    assert [final[(1, r)]["inc"] for r in range(2)] == [1, 1] and [final[(0, r)]["inc"] for r in range(2)] == [0, 0]
+    assert [final[(1, r)]["inc"] for r in range(2)] == [inc, inc] and [final[(0, r)]["inc"] for r in range(2)] == [0, 0]
     for r in range(2):
         assert (final[(0, r)]["w"], final[(0, r)]["b"]) == (final[(1, r)]["w"], final[(1, r)]["b"])
     assert events(sups[0], "restart") == []
     return final
+
+
+def first_commits(tmp_path: Path, inc: int, timeout: float = 60) -> list[dict]:
+    """The first commit of each rank of group 1's incarnation ``inc`` (pid, time), once
+    both made one: the restarted group healed and trains."""
+    def both() -> list[dict] | None:
+        recs = [read_json(tmp_path / f"first{inc}.g1.r{r}") for r in range(2)]
+        return recs if all(recs) else None  # type: ignore[return-value]
+
+    return wait_until(both, timeout=timeout, what=f"group 1's incarnation {inc} to commit")  # type: ignore[no-any-return]
+
+
+def end_soon(tmp_path: Path) -> int:
+    """Moves the end of a run started with ``steps=10_000`` to a few steps past every
+    rank's current step (they read the file each step); returns that last step."""
+    steps = max(read_json(tmp_path / f"state.g{g}.r{r}")["step"] for g in range(2) for r in range(2)) + 6  # type: ignore[index]
+    (tmp_path / "steps").write_text(str(steps))
+    return steps
+
+
+#: The watchdog's timeout in the hang tests.
+HANG_TIMEOUT = 3.0
+
+
+def hang_restart_facts(restart: dict, sup: Proc, tmp_path: Path, hung_at: float, cold: bool) -> dict:
+    """The checks common to a hung and a stopped rank of group 1 (``restart``: its restart
+    event; ``hung_at``: when its progress stopped, on this clock): cause ``hang``, naming
+    a rank of the group silent for the timeout; the group was restarted within the
+    timeout plus a few seconds and committed again. Returns the event plus the measured
+    time to participate again."""
+    inc = restart["incarnation"]
+    assert (restart["cause"], restart["exit_code"], restart["signal"]) == ("hang", None, None), restart
+    assert restart["rank"] in (0, 1) and restart["rank"] == restart["hung_ranks"][0], restart
+    assert HANG_TIMEOUT <= restart["silent_s"] < HANG_TIMEOUT + 2 and restart["last_step"] >= 1, restart
+    assert restart["progress"] is True
+    assert restart["warm_ranks"] == ([] if cold else [0, 1]), restart
+    err = sup.stderr_text()
+    assert f"rank {restart['rank']} hung: no progress for" in err, err[-5000:]
+    first = [json.loads((tmp_path / f"first{inc}.g1.r{r}").read_text()) for r in range(2)]
+    # The supervisor's part: the hang seen after the timeout, the group back (its standbys
+    # handed their go, or new processes) soon after. (A standby still importing when its
+    # go comes starts the script later; the time to participate again is printed.)
+    assert restart["silent_s"] + restart["restart_s"] < HANG_TIMEOUT + 3, restart
+    participating = max(f["t"] for f in first) - hung_at
+    return {**restart, "participating_after_s": round(participating, 2)}

@@ -40,11 +40,14 @@ def test_two_replicas_train_in_lockstep(lighthouse_factory, replicas_factory) ->
 
 @pytest.mark.parametrize("use_async", [True, False], ids=["async_quorum", "sync_quorum"])
 def test_late_replica_heals_from_peer(lighthouse_factory, replicas_factory, use_async: bool) -> None:
+    """A replica joining at step 3 heals from its peer and both end identical. Both train
+    with ``torch.optim.SGD`` with momentum: unless the heal copied the momentum buffers
+    too, the late one's parameters would drift from the next step on."""
     lh = lighthouse_factory(min_replicas=1, join_timeout_ms=200)
     r = replicas_factory(lh)
-    r.start("replica_0", seed=1, delay=0.1, **{"async": use_async})
+    r.start("replica_0", seed=1, delay=0.1, optimizer="torch", **{"async": use_async})
     r.wait_for("replica_0 at step 3", lambda: r.step("replica_0") >= 3, 30)
-    r.start("replica_1", seed=2, delay=0.1, **{"async": use_async})  # different initial weights
+    r.start("replica_1", seed=2, delay=0.1, optimizer="torch", **{"async": use_async})  # different initial weights
     r.wait_for("replica_1 healed", lambda: r.step("replica_1") >= 4, 30)
     target = max(r.step("replica_0"), r.step("replica_1")) + 4
     r.finish(target, timeout=30)

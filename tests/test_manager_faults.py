@@ -39,22 +39,27 @@ def survivors_commit_without(r: Replicas, names: list[str], after: dict[str, int
     return True
 
 
-def run_kill_and_rejoin(lighthouse: Any, replicas_factory: Any, fault: dict[str, Any], n: int = 3,
+def run_kill_and_rejoin(lighthouse: Any, replicas_factory: Any, faults: list[dict[str, Any]], n: int = 3,
                         **opts: Any) -> Replicas:
+    """``n`` replicas train; the last dies at ``faults[0]``, the survivors commit again
+    without it soon, and it restarts; each restart carries the next fault (at a step past
+    the survivors', so it heals first and dies in a later step), the last restart none:
+    that one heals and trains on, and all end identical."""
     lh = lighthouse(min_replicas=1, join_timeout_ms=300, heartbeat_timeout_ms=HEARTBEAT_MS)
     r = replicas_factory(lh)
     names = [f"replica_{i}" for i in range(n)]
-    victim = names[-1]
-    procs = {name: r.start(name, seed=i + 1, delay=0.05, timeout=COLLECTIVE_S, **({"fault": fault} if name == victim else {}), **opts)
+    victim, survivors = names[-1], names[:-1]
+    procs = {name: r.start(name, seed=i + 1, delay=0.05, timeout=COLLECTIVE_S, **({"fault": faults[0]} if name == victim else {}), **opts)
              for i, name in enumerate(names)}
-    rc = r.wait_dead(procs[victim], 40)
-    assert rc == -9, f"{victim} exited {rc} instead of dying at {fault}; logs:\n{r.logs()}"
-    survivors = names[:-1]
-    after = {s: r.step(s) for s in survivors}
-    took = r.wait_for(f"survivors committing without {victim}",
-                      lambda: survivors_commit_without(r, survivors, after, n - 1), 20)
-    assert took < RECOVER_S, f"survivors took {took:.1f}s to commit again (collective timeout {COLLECTIVE_S}s)"
-    r.start(victim, seed=99, delay=0.05, timeout=COLLECTIVE_S, **opts)
+    for k, fault in enumerate(faults):
+        rc = r.wait_dead(procs[victim], 40)
+        assert rc == -9, f"{victim} exited {rc} instead of dying at {fault}; logs:\n{r.logs()}"
+        after = {s: r.step(s) for s in survivors}
+        took = r.wait_for(f"survivors committing without {victim} (fault {fault})",
+                          lambda: survivors_commit_without(r, survivors, after, n - 1), 20)
+        assert took < RECOVER_S, f"survivors took {took:.1f}s to commit again after {fault} (collective timeout {COLLECTIVE_S}s)"
+        nxt = {"fault": {**faults[k + 1], "step": max(after.values()) + 2}} if k + 1 < len(faults) else {}
+        procs[victim] = r.start(victim, seed=99 + k, delay=0.05, timeout=COLLECTIVE_S, **nxt, **opts)
     r.wait_for(f"{victim} healed and committing", lambda: r.step(victim) > max(after.values()), 30)
     target = max(r.step(x) for x in names) + 3
     r.finish(target, timeout=30)
@@ -62,10 +67,12 @@ def run_kill_and_rejoin(lighthouse: Any, replicas_factory: Any, fault: dict[str,
     return r
 
 
-@pytest.mark.parametrize("point", ["before_quorum", "mid_allreduce", "after_vote"])
-def test_replica_dies_at_a_point_of_the_step(lighthouse, replicas_factory, point: str) -> None:
-    """Three replicas (a ring allreduce); the last dies at ``point`` of step 3."""
-    run_kill_and_rejoin(lighthouse, replicas_factory, {"at": point, "step": 3})
+def test_replica_dies_at_each_point_of_the_step(lighthouse, replicas_factory) -> None:
+    """Three replicas (a ring allreduce); the last dies before the quorum of step 3, comes
+    back and dies mid-allreduce, comes back and dies after the commit vote (before its
+    optimizer stepped), and comes back for good."""
+    run_kill_and_rejoin(lighthouse, replicas_factory,
+                        [{"at": "before_quorum", "step": 3}, {"at": "mid_allreduce"}, {"at": "after_vote"}])
 
 
 def test_healing_replica_dies_after_receiving(lighthouse, replicas_factory) -> None:
@@ -113,7 +120,7 @@ def test_heal_on_the_training_thread(lighthouse, replicas_factory, transport: st
     # http: a 1.3 MB weight, served live; the sender's optimizer steps right after its
     # vote while the healing peer may still be fetching (freeze_checkpoint copies it first).
     extra = {"width": 80_000} if transport == "http" else {}
-    r = run_kill_and_rejoin(lighthouse, replicas_factory, {"at": "mid_allreduce", "step": 3}, n=2,
+    r = run_kill_and_rejoin(lighthouse, replicas_factory, [{"at": "mid_allreduce", "step": 3}], n=2,
                             training_thread=True, transport=transport, **extra)
     served_or_healed = 0
     for name in ("replica_0", "replica_1"):
@@ -127,7 +134,7 @@ def test_heal_on_the_training_thread(lighthouse, replicas_factory, transport: st
 def test_heal_over_the_process_group(lighthouse, replicas_factory) -> None:
     """``PGTransport`` on the cross-replica gloo group: a late replica (different initial
     weights) and a killed-and-restarted one both heal from a peer."""
-    run_kill_and_rejoin(lighthouse, replicas_factory, {"at": "mid_allreduce", "step": 3}, n=2, transport="pg")
+    run_kill_and_rejoin(lighthouse, replicas_factory, [{"at": "mid_allreduce", "step": 3}], n=2, transport="pg")
 
 
 def test_fixed_with_spares(lighthouse, replicas_factory) -> None:

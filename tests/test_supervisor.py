@@ -4,8 +4,8 @@ The rules (restart, backoff, crash loop, each rank's environment, the command li
 pure functions tested with tables; the rest runs ``python -m rallypoint run`` as a user
 does, on real processes: a group's environment and torch's own ``init_process_group``
 across a restart, two Manager-trained groups where one rank is SIGKILLed (the group
-restarts and heals), a rank hung in its training loop and a SIGSTOPped rank (the hang
-watchdog restarts the group), a crash loop, SIGTERM to the supervisor, SIGKILL of the
+restarts cold and heals) and then one hangs in its training loop (the hang watchdog
+restarts the group), a crash loop, SIGTERM to the supervisor, SIGKILL of the
 supervisor, and usage errors. Every wait has a deadline; every process is killed by pid at teardown.
 """
 
@@ -26,8 +26,8 @@ import pytest
 
 from conftest import Proc, wait_until
 from supervisor_util import (  # noqa: F401 - strays is a fixture
-    _env, at_step_2, both_groups_finish_alike, children_of, events, pid_alive, read_json, run_group,
-    strays, two_training_groups,
+    HANG_TIMEOUT, _env, at_step_2, both_groups_finish_alike, children_of, end_soon, events, first_commits,
+    hang_restart_facts, pid_alive, read_json, run_group, strays, two_training_groups,
 )
 from rallypoint.supervisor.args import RunConfig, UsageError, add_run_parser, config_from_args
 from rallypoint.supervisor.envs import LIFELINE_ENV, PROGRESS_ENV, GroupSpec, log_prefix, rank_env
@@ -400,89 +400,48 @@ def test_torch_init_process_group_works_across_a_restart(procs, tmp_path: Path) 
     assert restart["progress"] is False and restart["restart_s"] >= 0.05
 
 
-#: The kill and hang restarts here are cold (new processes); tests/test_supervisor_standby.py
-#: covers those failures restarted from warm standbys, the default, which the SIGSTOP test
-#: below keeps.
+#: The restarts here are cold (new processes); tests/test_supervisor_standby.py runs the
+#: same failures, and a SIGSTOP, restarted from warm standbys (the default).
 COLD = ("--no-standby",)
 
 
 @pytest.mark.slow
-def test_a_killed_rank_restarts_its_group_which_heals(procs, lighthouse, tmp_path: Path, strays) -> None:
-    """Two replica groups, each ``rallypoint run --nproc-per-node 2`` with a Manager; rank 1
-    of group 1 is SIGKILLed mid-training. Its supervisor stops rank 0, restarts both
-    (incarnation 1), they heal from group 0, and both groups finish at the same step with
-    identical weights. The restart event names the rank and the signal, and counts the
-    first incarnation's commits as progress (the Manager reported them)."""
-    sups = two_training_groups(procs, lighthouse, tmp_path, COLD)
+def test_a_killed_and_then_a_hung_rank_restart_their_group_cold(procs, lighthouse, tmp_path: Path, strays) -> None:
+    """Two replica groups, each ``rallypoint run --nproc-per-node 2`` with a Manager; group
+    1 runs with ``--hang-timeout 3`` and no standbys. Two failures, one after the other:
+
+    1. Rank 1 of group 1 is SIGKILLed mid-training: its supervisor stops rank 0 and
+       restarts both (incarnation 1), which heal from group 0. The restart event names the
+       rank and the signal and counts the first incarnation's commits as progress.
+    2. Rank 1 of incarnation 1 sleeps forever in its training loop. Its Manager keeps
+       heartbeating, so only the watchdog sees it: the group's stacks are dumped to the log
+       (the sleeping frame among them) and the group restarts (incarnation 2) within the
+       timeout plus a few seconds and heals.
+
+    Both groups finish at the same step with identical weights."""
+    sups = two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(HANG_TIMEOUT), *COLD),
+                               steps=10_000)
     state = at_step_2(tmp_path, 1)
     strays.append(state["pid"])
     os.kill(state["pid"], signal.SIGKILL)
-    both_groups_finish_alike(tmp_path, sups)
-    (restart,) = events(sups[1], "restart")
-    assert (restart["rank"], restart["cause"], restart["signal"]) == (1, "signal SIGKILL", "SIGKILL")
-    assert restart["progress"] is True and restart["streak"] == 0 and restart["warm_ranks"] == []
+    strays.extend(f["pid"] for f in first_commits(tmp_path, 1))
+    (kill,) = events(sups[1], "restart")
+    assert (kill["rank"], kill["cause"], kill["signal"], kill["incarnation"]) == (1, "signal SIGKILL", "SIGKILL", 1)
+    assert kill["progress"] is True and kill["streak"] == 0 and kill["warm_ranks"] == [], kill
 
-
-HANG_TIMEOUT = 3.0
-
-
-def _hang_restart(sups: list[Proc], tmp_path: Path, hung_at: float, cold: bool) -> dict:
-    """The checks common to a hung and a stopped rank of group 1 (``hung_at``: when its
-    progress stopped, on this clock): one restart, cause ``hang``, naming a rank of the
-    group silent for the timeout; the group was restarted within the timeout plus a few
-    seconds and committed again. Returns the restart event plus the measured times."""
-    (restart,) = events(sups[1], "restart")
-    assert (restart["cause"], restart["exit_code"], restart["signal"]) == ("hang", None, None), restart
-    assert restart["rank"] in (0, 1) and restart["rank"] == restart["hung_ranks"][0], restart
-    assert HANG_TIMEOUT <= restart["silent_s"] < HANG_TIMEOUT + 2 and restart["last_step"] >= 1, restart
-    assert restart["progress"] is True and restart["incarnation"] == 1
-    if cold:
-        assert restart["warm_ranks"] == [], restart
-    err = sups[1].stderr_text()
-    assert f"rank {restart['rank']} hung: no progress for" in err, err[-5000:]
-    first = [json.loads((tmp_path / f"first1.g1.r{r}").read_text()) for r in range(2)]
-    # The supervisor's part: the hang seen after the timeout, the group back (its standbys
-    # handed their go, or new processes) soon after. (A standby still importing when its
-    # go comes starts the script later; the time to participate again is printed.)
-    assert restart["silent_s"] + restart["restart_s"] < HANG_TIMEOUT + 3, restart
-    participating = max(f["t"] for f in first) - hung_at
-    return {**restart, "participating_after_s": round(participating, 2)}
-
-
-@pytest.mark.slow
-def test_a_rank_hung_in_its_training_loop_restarts_its_group(procs, lighthouse, tmp_path: Path, strays) -> None:
-    """Rank 1 of group 1 sleeps forever in its training loop (once: a marker file the test
-    creates). Its Manager keeps heartbeating, so only the watchdog (--hang-timeout 3) sees
-    it: the group's stacks are dumped to the log (the sleeping frame among them), the group
-    restarts within the timeout plus a few seconds, heals, and both groups finish alike."""
-    sups = two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(HANG_TIMEOUT), *COLD))
-    strays.extend(at_step_2(tmp_path, r)["pid"] for r in range(2))
     marked = time.time()
     (tmp_path / "hang.g1.r1").write_text("")
     hanging = wait_until(lambda: read_json(tmp_path / "hanging.g1.r1"), timeout=10, what="rank 1 to hang")
-    assert hanging["inc"] == 0 and hanging["t"] - marked < 2.0
-    both_groups_finish_alike(tmp_path, sups)
-    facts = _hang_restart(sups, tmp_path, marked, cold=True)
+    assert hanging["inc"] == 1 and hanging["t"] - marked < 2.0
+    first_commits(tmp_path, 2)
+    both_groups_finish_alike(tmp_path, sups, steps=end_soon(tmp_path), inc=2)
+    _, hang = events(sups[1], "restart")
+    assert hang["incarnation"] == 2 and hang["streak"] == 0, hang
+    facts = hang_restart_facts(hang, sups[1], tmp_path, marked, cold=True)
     dump = [line for line in sups[1].stderr_text().splitlines() if line.startswith("[g1 r1] ")]
     assert any("in hang_here" in line for line in dump), "\n".join(dump[-60:])
     assert not (tmp_path / "hang.g1.r1").exists()  # taken once
     print("hang:", json.dumps(facts))
-
-
-@pytest.mark.slow
-def test_a_sigstopped_rank_restarts_its_group(procs, lighthouse, tmp_path: Path, strays) -> None:
-    """Rank 1 of group 1 is SIGSTOPped mid-training: the watchdog restarts the group (the
-    stopped rank cannot dump its stacks or act on SIGTERM; it is not waited for), which
-    heals and trains on; no rank of the first incarnation is left, stopped or otherwise."""
-    sups = two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(HANG_TIMEOUT)))
-    pids = [at_step_2(tmp_path, r)["pid"] for r in range(2)]
-    strays.extend(pids)
-    stopped = time.time()
-    os.kill(pids[1], signal.SIGSTOP)
-    both_groups_finish_alike(tmp_path, sups)
-    facts = _hang_restart(sups, tmp_path, stopped, cold=False)
-    assert not [p for p in pids if pid_alive(p)]
-    print("sigstop:", json.dumps(facts))
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ that takes the ready standbys (same pids, torch already imported, the new enviro
 the script's argv, stdin at /dev/null) and starts new ones, a standby that dies and is
 replaced, a ``--preload`` that fails (standbys given up, the ranks restart cold), SIGKILL
 and SIGTERM to the supervisor (no standby outlives it), and two Manager-trained groups
-where a killed rank's group comes back from its standbys and heals. Every wait has a
+where a killed, then a hung, then a SIGSTOPped rank's group comes back from its standbys
+each time and heals. Every wait has a
 deadline; every process is killed by pid at teardown.
 """
 
@@ -27,8 +28,8 @@ import pytest
 
 from conftest import Proc, wait_until
 from supervisor_util import (  # noqa: F401 - strays is a fixture
-    _env, at_step_2, both_groups_finish_alike, children_of, events, pid_alive, read_json, run_group, strays,
-    two_training_groups,
+    HANG_TIMEOUT, _env, at_step_2, both_groups_finish_alike, children_of, end_soon, events, first_commits,
+    hang_restart_facts, pid_alive, read_json, run_group, strays, two_training_groups,
 )
 from rallypoint.supervisor.args import UsageError, add_run_parser, config_from_args
 from rallypoint.supervisor.envs import READY_ENV
@@ -330,52 +331,58 @@ def test_no_standby_outlives_its_supervisor(procs, tmp_path: Path, strays, sig: 
 
 
 @pytest.mark.slow
-def test_a_killed_rank_comes_back_from_its_standbys_and_heals(procs, lighthouse, tmp_path: Path, strays) -> None:
-    """Two Manager-trained groups under ``rallypoint run``; once group 1's standbys are
-    ready (they start after its first commits), its rank 1 is SIGKILLed: both ranks of the
-    next incarnation are the standbys (torch imported), the group heals from group 0 and
-    both finish alike. Prints the kill -> first participating commit time."""
-    sups = two_training_groups(procs, lighthouse, tmp_path, steps=10_000)
+def test_killed_hung_and_stopped_ranks_come_back_from_their_standbys(procs, lighthouse, tmp_path: Path,
+                                                                    strays) -> None:
+    """Two Manager-trained groups under ``rallypoint run``, group 1 with ``--hang-timeout
+    3`` and its standbys (the default). Three failures of its rank 1, one after the other,
+    each once the group's standbys are ready (they start after its first commits):
+
+    1. SIGKILL: both ranks of incarnation 1 are the standbys (torch imported), which heal
+       from group 0 and train on.
+    2. It sleeps forever in its training loop: the watchdog dumps the stacks and restarts
+       the group from its new standbys (incarnation 2).
+    3. SIGSTOP: the watchdog restarts the group again (incarnation 3); the stopped rank
+       cannot dump its stacks or act on SIGTERM and is not waited for, and no rank of
+       incarnation 2 is left, stopped or otherwise.
+
+    Both groups finish alike. Prints each failure -> first participating commit time (the
+    goal for a hang: within the timeout + 1 s)."""
+    sups = two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(HANG_TIMEOUT)), steps=10_000)
     pids = [at_step_2(tmp_path, r)["pid"] for r in range(2)]
     standbys = _ready_standbys(sups[1], pids)
     strays.extend([*pids, *standbys])
     killed = time.time()
     os.kill(pids[1], signal.SIGKILL)
-    first = wait_until(lambda: (lambda f: f if all(f) else None)(
-        [read_json(tmp_path / f"first1.g1.r{r}") for r in range(2)]), timeout=60, what="the restarted ranks' commits")
-    steps = max(read_json(tmp_path / f"state.g{g}.r{r}")["step"] for g in range(2) for r in range(2)) + 8
-    (tmp_path / "steps").write_text(str(steps))
-    final = both_groups_finish_alike(tmp_path, sups, steps=steps)
-    (restart,) = events(sups[1], "restart")
-    assert (restart["rank"], restart["signal"], restart["warm_ranks"], restart["progress"]) == (1, "SIGKILL", [0, 1],
-                                                                                              True), restart
-    assert {final[(1, r)]["pid"] for r in range(2)} == set(standbys)
-    print("warm restart:", json.dumps({"restart_s": restart["restart_s"],
-                                       "kill_to_first_commit_s": round(max(f["t"] for f in first) - killed, 3)}))
+    first = first_commits(tmp_path, 1)
+    assert sorted(f["pid"] for f in first) == standbys
+    (kill,) = events(sups[1], "restart")
+    assert (kill["rank"], kill["signal"], kill["warm_ranks"], kill["progress"]) == (1, "SIGKILL", [0, 1], True), kill
+    facts = {"kill": {"restart_s": kill["restart_s"],
+                      "kill_to_first_commit_s": round(max(f["t"] for f in first) - killed, 3)}}
 
-
-@pytest.mark.slow
-def test_a_hung_rank_comes_back_from_its_standbys(procs, lighthouse, tmp_path: Path, strays) -> None:
-    """Group 1 runs with ``--hang-timeout 3``; once its standbys are ready, rank 1 sleeps
-    forever in its training loop. The watchdog dumps the stacks and restarts the group from
-    its ready standbys, which heal and train on; both groups finish alike. Prints the hang
-    -> first participating commit time (the goal: within the timeout + 1 s)."""
-    timeout = 3.0
-    sups = two_training_groups(procs, lighthouse, tmp_path, ("--hang-timeout", str(timeout)), steps=10_000)
-    pids = [at_step_2(tmp_path, r)["pid"] for r in range(2)]
+    pids = [f["pid"] for f in first]
     standbys = _ready_standbys(sups[1], pids)
-    strays.extend([*pids, *standbys])
+    strays.extend(standbys)
     (tmp_path / "hang.g1.r1").write_text("")
     hanging = wait_until(lambda: read_json(tmp_path / "hanging.g1.r1"), timeout=30, what="rank 1 to hang")
-    first = wait_until(lambda: (lambda f: f if all(f) else None)(
-        [read_json(tmp_path / f"first1.g1.r{r}") for r in range(2)]), timeout=60, what="the restarted ranks' commits")
-    steps = max(read_json(tmp_path / f"state.g{g}.r{r}")["step"] for g in range(2) for r in range(2)) + 8
-    (tmp_path / "steps").write_text(str(steps))
-    final = both_groups_finish_alike(tmp_path, sups, steps=steps)
-    (restart,) = events(sups[1], "restart")
-    assert (restart["cause"], restart["warm_ranks"]) == ("hang", [0, 1]), restart
+    assert hanging["inc"] == 1
+    first = first_commits(tmp_path, 2)
+    assert sorted(f["pid"] for f in first) == standbys
+    _, hang = events(sups[1], "restart")
+    facts["hang"] = hang_restart_facts(hang, sups[1], tmp_path, hanging["t"], cold=False)
+    dump = [line for line in sups[1].stderr_text().splitlines() if line.startswith("[g1 r1] ")]
+    assert any("in hang_here" in line for line in dump), "\n".join(dump[-60:])
+
+    pids = [f["pid"] for f in first]
+    standbys = _ready_standbys(sups[1], pids)
+    strays.extend(standbys)
+    stopped = time.time()
+    os.kill(pids[1], signal.SIGSTOP)
+    first = first_commits(tmp_path, 3)
+    assert sorted(f["pid"] for f in first) == standbys
+    final = both_groups_finish_alike(tmp_path, sups, steps=end_soon(tmp_path), inc=3)
     assert {final[(1, r)]["pid"] for r in range(2)} == set(standbys)
-    print("warm hang restart:", json.dumps({"hang_timeout_s": timeout, "silent_s": restart["silent_s"],
-                                            "restart_s": restart["restart_s"],
-                                            "hang_to_first_commit_s": round(max(f["t"] for f in first)
-                                                                            - hanging["t"], 3)}))
+    _, _, stop = events(sups[1], "restart")
+    facts["sigstop"] = hang_restart_facts(stop, sups[1], tmp_path, stopped, cold=False)
+    assert not [p for p in pids if pid_alive(p)]
+    print("warm restarts:", json.dumps(facts))

@@ -317,7 +317,7 @@ def test_two_groups_over_mutual_tls_with_a_token_kill_and_heal(pki: Pki, lightho
         made.append(lh)
         return lh
 
-    r = run_kill_and_rejoin(tls_lighthouse, replicas_factory, {"at": "mid_allreduce", "step": 3})
+    r = run_kill_and_rejoin(tls_lighthouse, replicas_factory, [{"at": "mid_allreduce", "step": 3}])
     logs = "".join(f.read_text() for f in sorted(r.tmp.glob("*.log")))  # whole files: r.logs() keeps tails
     assert "healing to step" in logs and "https://" in logs, logs[-3000:]
     assert made[0].status()["quorum"] is not None
