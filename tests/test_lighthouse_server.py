@@ -431,3 +431,37 @@ def test_kill_is_forwarded_to_the_manager(lighthouse, client, fake_manager):
     assert fake_manager.kills.empty()
     kills = [e for e in lh.core.store.events(limit=100) if e.kind == "kill"]
     assert [e.replica_id for e in kills] == ["r1", "r1"]
+
+
+# ----------------------------------------------------------------------- shutdown
+
+
+def test_core_stop_ends_the_timer_even_when_its_wakeup_and_the_cancel_coincide() -> None:
+    """On Python 3.11, ``asyncio.wait_for`` returns the result and swallows a cancel that
+    arrives after the awaited wait finished. The timer then slept on (every 0.5 s, for the
+    heartbeat sweep) and a lighthouse shutdown waited its whole 10 s timeout (seen about
+    once in eight runs of this file). Here the timer's wait finishes and the cancel comes
+    before it resumes: ``stop`` must still end at once."""
+    import asyncio
+
+    from rallypoint.lighthouse.core import LighthouseCore
+    from rallypoint.lighthouse.metrics import LighthouseMetrics
+    from rallypoint.lighthouse.quorum import Options
+    from rallypoint.lighthouse.state import StateStore
+
+    async def go() -> None:
+        core = LighthouseCore(Options(min_replicas=1, join_timeout=0.05), StateStore(":memory:"), LighthouseMetrics())
+        core.start()
+        core.heartbeat("a")  # a known replica: the timer's wait has a deadline (the sweep)
+        for _ in range(5):
+            await asyncio.sleep(0)  # the timer is in its wait_for
+        assert core._wakeup is not None and core._timer is not None
+        core._wakeup.set()
+        await asyncio.sleep(0)  # the wait finished; the timer has not resumed yet
+        stopping = asyncio.ensure_future(core.stop())
+        t0 = time.monotonic()
+        await asyncio.wait({stopping}, timeout=5)  # (wait_for would cancel it: a second cancel ends it)
+        assert stopping.done() and core._timer.done(), f"stop still waits for the timer after {time.monotonic() - t0:.1f}s"
+        assert time.monotonic() - t0 < 1.0
+
+    asyncio.run(go())

@@ -166,6 +166,11 @@ class LighthouseCore(Scoring):
     async def stop(self) -> None:
         self._stopping = True
         if self._timer is not None:
+            # The flag and the wakeup end the timer too: on Python 3.11 ``asyncio.wait_for``
+            # swallows a cancel that arrives as the wakeup fires (it returns the result), and
+            # the timer would then sleep on with no deadline, holding up the shutdown.
+            if self._wakeup is not None:
+                self._wakeup.set()
             self._timer.cancel()
             try:
                 await self._timer
@@ -470,7 +475,7 @@ class LighthouseCore(Scoring):
         """Wake at the next deadline a decision reported (capped by --quorum-tick-ms and
         by the heartbeat sweep), never on a fixed polling tick otherwise."""
         assert self._wakeup is not None
-        while True:
+        while not self._stopping:
             now = self._clock()
             waits = [_SWEEP_INTERVAL if self.heartbeats else None, self._tick]
             if self._next_check is not None:
@@ -481,6 +486,8 @@ class LighthouseCore(Scoring):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
             except TimeoutError:
                 pass
+            if self._stopping:
+                return
             self._wakeup.clear()
             now = self._clock()
             if self._next_check is not None and now >= self._next_check:
