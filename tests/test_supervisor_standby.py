@@ -368,6 +368,7 @@ def test_killed_hung_and_stopped_ranks_come_back_from_their_standbys(procs, ligh
     first = first_commits(tmp_path, 2)
     assert sorted(f["pid"] for f in first) == standbys
     _, hang = events(sups[1], "restart")
+    assert hang["incarnation"] == 2, hang
     facts["hang"] = hang_restart_facts(hang, sups[1], tmp_path, hanging["t"], cold=False)
     dump = [line for line in sups[1].stderr_text().splitlines() if line.startswith("[g1 r1] ")]
     assert any("in hang_here" in line for line in dump), "\n".join(dump[-60:])
@@ -382,6 +383,7 @@ def test_killed_hung_and_stopped_ranks_come_back_from_their_standbys(procs, ligh
     final = both_groups_finish_alike(tmp_path, sups, steps=end_soon(tmp_path), inc=3)
     assert {final[(1, r)]["pid"] for r in range(2)} == set(standbys)
     _, _, stop = events(sups[1], "restart")
+    assert stop["incarnation"] == 3, stop
     facts["sigstop"] = hang_restart_facts(stop, sups[1], tmp_path, stopped, cold=False)
     assert not [p for p in pids if pid_alive(p)]
     print("warm restarts:", json.dumps(facts))
