@@ -12,7 +12,9 @@ parameter) and runs a training loop on its main thread shaped like the Manager's
    ``state = {"params": {str(i): p.detach()}, "optim": opt.state_dict()}``;
 2. fixed compute standing in for forward/backward: ``--compute-ms`` of 512x512 matmuls, as a
    count of matmuls calibrated once by the parent before any child starts (every step of
-   every contender does the same work; CPU work, not a sleep);
+   every contender does the same work; CPU work, not a sleep); ``--compute wait``: a sleep
+   of ``--compute-ms`` instead, as a step whose forward/backward runs on a GPU while the
+   CPUs are free (a CPU-resident state served live: CPU-offloaded optimizer state, say);
 3. the main thread joins the quorum thread (``Manager.allreduce`` waits for the quorum
    future), then ``transport.disallow_checkpoint()`` (what ``Manager.should_commit`` does
    before the optimizer may step; called every step, a no-op when nothing is served);
@@ -29,7 +31,9 @@ keep their freed heap (``_transport_util.keep_freed_heap``), so their page fault
 out of the measured steps after the warm-up heal.
 
 Contenders (in one run): ``rp_live`` = rallypoint ``HTTPTransport(timeout, 4,
-bind="127.0.0.1:0", serve="live")``, ``rp_copy`` = the same with ``serve="copy"``,
+bind="127.0.0.1:0", serve="live")`` (its defaults), ``rp_precopy`` = the same with
+``precopy=True`` (a background copy ahead of the freeze), ``rp_copy`` = the same with
+``serve="copy"``,
 ``torchft`` = torchft 0.2.0's ``HTTPTransport(timeout, num_chunks=0)`` (its Manager's
 default; it serves the caller's tensors, and ``disallow_checkpoint`` waits for the transfer
 in flight), ``socket`` = the floor: the parameters' bytes over a plain socket, served live
@@ -92,7 +96,7 @@ import _util  # noqa: E402
 from _transport_util import keep_freed_heap  # noqa: E402
 from _util import Child, close_all, median, table  # noqa: E402
 
-CONTENDERS = ("rp_live", "rp_copy", "torchft", "socket")
+CONTENDERS = ("rp_live", "rp_precopy", "rp_copy", "torchft", "socket")
 TENSOR_NUMEL = 3 * 1024 * 1024 // 4  # 3 MiB of float32
 LR = 1e-4
 GOAL_MS_PER_GB = 50.0
@@ -247,8 +251,12 @@ def make_transport(contender: str, timeout: timedelta) -> tuple[Any, str]:
         return TorchftHTTP(timeout, num_chunks=0), "torchft num_chunks=0"
     from rallypoint.transports.http import HTTPTransport
 
-    mode = {"rp_live": "live", "rp_copy": "copy"}[contender]
-    if "serve" in inspect.signature(HTTPTransport).parameters:
+    mode = {"rp_live": "live", "rp_precopy": "live", "rp_copy": "copy"}[contender]
+    params = inspect.signature(HTTPTransport).parameters
+    if contender == "rp_precopy" and "precopy" in params:
+        return HTTPTransport(timeout, 4, bind="127.0.0.1:0", serve=mode, precopy=True), \
+            "serve='live', precopy=True"
+    if "serve" in params:
         return HTTPTransport(timeout, 4, bind="127.0.0.1:0", serve=mode), f"serve={mode!r}"
     # Before HTTPTransport had serve=: its copy_on_send (copy: True, live: False).
     return HTTPTransport(timeout, 4, bind="127.0.0.1:0", copy_on_send=(mode == "copy")), \
@@ -278,7 +286,10 @@ def run_sender(cfg: dict[str, Any]) -> None:
     transport, spelled = make_transport(cfg["contender"], timeout)
     if pins:
         os.sched_setaffinity(0, pins[0])  # the training thread alone on its CPU
-    compute = _matmul_kernel(1 if pins else None, cfg["mm"])
+    if cfg.get("compute") == "wait":
+        compute = lambda _n: time.sleep(cfg["compute_ms"] / 1000)  # noqa: E731 - the GPU computes
+    else:
+        compute = _matmul_kernel(1 if pins else None, cfg["mm"])
     step_no = 0
 
     def step(heal: bool) -> dict[str, Any]:
@@ -451,6 +462,9 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--layout", choices=["split", "shared"], default="split")
+    ap.add_argument("--compute", choices=["cpu", "wait"], default="cpu",
+                    help="cpu: matmuls on the training thread; wait: it sleeps --compute-ms, as a step whose "
+                         "forward/backward runs on a GPU (the CPUs are free meanwhile; no pinning)")
     ap.add_argument("--timeout", type=float, default=120.0, help="the transports' timeout, s")
     ap.add_argument("--out", default=None)
     ap.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
@@ -463,12 +477,15 @@ def main() -> None:
         ap.error(f"contenders are {CONTENDERS}")
     env = dict(os.environ)
     _util.clear_job_env(env)  # clear text, whatever this shell's job settings say
-    matmuls = calibrate(a.compute_ms, a.layout, a.matmul_size)
+    if a.compute == "wait":
+        a.layout = "shared"  # a GPU step leaves every CPU to the transport's threads
+    matmuls = calibrate(a.compute_ms, a.layout, a.matmul_size) if a.compute == "cpu" else 0
     cfg = {"gb": a.gb, "matmuls": matmuls, "mm": a.matmul_size, "layout": a.layout if _cpus(a.layout) else "shared",
-           "timeout": a.timeout, "warmup_steps": a.warmup_steps}
+           "timeout": a.timeout, "warmup_steps": a.warmup_steps, "compute": a.compute, "compute_ms": a.compute_ms}
     load0 = os.getloadavg()[0]
-    print(f"heal_stall: {a.gb:g} GB, {n_tensors(a.gb)} tensors, compute {a.compute_ms:g} ms = {matmuls} matmuls "
-          f"{a.matmul_size}x{a.matmul_size}, layout {cfg['layout']}, {a.heals} heals + 1 warm-up per contender, "
+    what = (f"{matmuls} matmuls {a.matmul_size}x{a.matmul_size}" if a.compute == "cpu"
+            else "a wait (GPU-like: the CPUs are free)")
+    print(f"heal_stall: {a.gb:g} GB, {n_tensors(a.gb)} tensors, compute {a.compute_ms:g} ms = {what}, layout {cfg['layout']}, {a.heals} heals + 1 warm-up per contender, "
           f"load {load0:.2f}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
     info: dict[str, dict[str, Any]] = {}
@@ -544,7 +561,7 @@ def _report(a: argparse.Namespace, cfg: dict[str, Any], contenders: list[str], r
     goals = {"rp_live_ms_per_gb_le_50": _util.goal_met(live, live is not None and live <= GOAL_MS_PER_GB),
              "rp_live_correct": _util.goal_met(live, results.get("rp_live", {}).get("correct")
                                                 == results.get("rp_live", {}).get("heals"))}
-    plan = {"gb": a.gb, "compute_ms": a.compute_ms, "matmuls": cfg["matmuls"], "matmul_size": a.matmul_size, "layout": cfg["layout"],
+    plan = {"gb": a.gb, "compute_ms": a.compute_ms, "compute": a.compute, "matmuls": cfg["matmuls"], "matmul_size": a.matmul_size, "layout": cfg["layout"],
             "heals": a.heals, "baseline_steps": a.baseline_steps, "after_steps": a.after_steps,
             "torchft": _util.torchft_version(), "load_start_end": cfg["load"]}
     _util.report_goals("heal_stall", plan, results, goals, ratios, a.out)

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import zygote
+
 from replica_worker import Replicas
 
 HERE = Path(__file__).resolve()
@@ -166,14 +168,14 @@ class DDPReplicas(Replicas):
     """``replica_worker.Replicas`` (progress files, waits with deadlines, kill by pid)
     running this worker instead."""
 
-    def start(self, name: str, seed: int, **opts: Any) -> subprocess.Popen:
+    def start(self, name: str, seed: int, **opts: Any) -> zygote.Proc:
         """Start a worker; with ``standby=True`` it waits for :meth:`release` (and must
         not share ``name`` with a running worker's progress until then)."""
         out = self.tmp / f"{name}.json"
         if not opts.get("standby"):
             out.unlink(missing_ok=True)
         log = open(self.tmp / f"{name}.{len(self.procs)}.log", "w")
-        p = subprocess.Popen(
+        p = zygote.popen(
             [sys.executable, str(HERE), self.lighthouse, name, str(seed), str(out), str(self.stop), json.dumps(opts)],
             stdin=subprocess.PIPE if opts.get("standby") else subprocess.DEVNULL,
             stdout=log, stderr=subprocess.STDOUT,
@@ -182,7 +184,7 @@ class DDPReplicas(Replicas):
         self.procs[f"{name}#{p.pid}"] = p
         return p
 
-    def release(self, p: subprocess.Popen, name: str) -> None:
+    def release(self, p: zygote.Proc, name: str) -> None:
         """Let a standby worker join as ``name`` (its predecessor's progress is dropped)."""
         assert p.poll() is None and p.stdin is not None, f"standby {name} is gone; logs:\n{self.logs()}"
         (self.tmp / f"{name}.json").unlink(missing_ok=True)

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import zygote
+
 HERE = Path(__file__).resolve()
 LIMIT_S = 75.0  # a rank's own wall-clock limit
 BATCH = 4  # samples per rank per step
@@ -226,8 +228,8 @@ class Groups:
         self.tmp = tmp
         self.lighthouse = lighthouse
         self.world = world
-        self.procs: dict[str, list[subprocess.Popen]] = {}
-        self.all: list[subprocess.Popen] = []
+        self.procs: dict[str, list[zygote.Proc]] = {}
+        self.all: list[zygote.Proc] = []
         self.stop = tmp / "stop"
         self._launches = 0
         self.stores: list[Any] = []
@@ -235,7 +237,7 @@ class Groups:
     def out(self, name: str, rank: int) -> Path:
         return self.tmp / f"{name}-r{rank}.json"
 
-    def start(self, name: str, **opts: Any) -> list[subprocess.Popen]:
+    def start(self, name: str, **opts: Any) -> list[zygote.Proc]:
         import torch.distributed as dist
 
         # The group's store, hosted here as torchrun's agent would (bound to port 0, so
@@ -250,7 +252,7 @@ class Groups:
             self.out(name, r).unlink(missing_ok=True)
             Path(str(self.out(name, r)) + ".ready").unlink(missing_ok=True)
             log = open(self.tmp / f"{name}-r{r}.{self._launches}.log", "w")
-            p = subprocess.Popen(
+            p = zygote.popen(
                 [sys.executable, str(HERE), self.lighthouse, name, str(r), str(self.world), str(port),
                  str(self.out(name, r)), str(self.stop), json.dumps(opts)],
                 stdout=log, stderr=subprocess.STDOUT,

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import zygote
+
 HERE = Path(__file__).resolve()
 LIMIT_S = 60.0  # a worker's own wall-clock limit
 
@@ -241,14 +243,14 @@ class Replicas:
         self.tmp = tmp
         self.lighthouse = lighthouse
         self.env = env  # extra environment of every worker (RALLYPOINT_JOB, RALLYPOINT_TOKEN)
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, zygote.Proc] = {}
         self.stop = tmp / "stop"
 
-    def start(self, name: str, seed: int, **opts: Any) -> subprocess.Popen:
+    def start(self, name: str, seed: int, **opts: Any) -> zygote.Proc:
         out = self.tmp / f"{name}.json"
         out.unlink(missing_ok=True)
         log = open(self.tmp / f"{name}.{len(self.procs)}.log", "w")
-        p = subprocess.Popen(
+        p = zygote.popen(
             [sys.executable, str(self.script), self.lighthouse, name, str(seed), str(out), str(self.stop), json.dumps(opts)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env} if self.env else None,
         )
@@ -272,7 +274,7 @@ class Replicas:
             time.sleep(0.02)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}; logs:\n{self.logs()}")
 
-    def wait_dead(self, p: subprocess.Popen, timeout: float) -> int:
+    def wait_dead(self, p: zygote.Proc, timeout: float) -> int:
         try:
             return p.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -49,18 +49,20 @@ def test_live_disallow_does_not_wait_for_a_stalled_receiver(transports: Callable
     src.release.set()
 
 
-@pytest.mark.parametrize("serve", ["copy", "live", "live-optimizer"])
+@pytest.mark.parametrize("serve", ["copy", "live", "live-optimizer", "live-precopy"])
 def test_disallow_during_a_transfer_in_flight(transports: Callable[..., HTTPTransport], serve: str) -> None:
     """The sender's state changes right after disallow (its optimizer step) while four
     ranges are in flight: the receiver still gets the state as served. Copy: disallow
     waits for the streams. Live: it returns at once, the streams go on from the frozen
-    copy. Live-optimizer: no disallow, an optimizer step mid-transfer freezes it."""
+    copy. Live-optimizer: no disallow, an optimizer step mid-transfer freezes it.
+    Live-precopy: live, with a background copy racing the four streams."""
     import copy as copy_mod
 
     warm = torch.nn.Parameter(torch.zeros(1))  # an optimizer's first step imports torch._dynamo: seconds
     warm.grad = torch.zeros(1)
     torch.optim.SGD([warm], lr=1.0).step()
-    src = transports(Faulty, mode="slow", block=16 << 10, num_chunks=4, serve=serve.split("-")[0], copy_below=0)
+    src = transports(Faulty, mode="slow", block=16 << 10, num_chunks=4, serve=serve.split("-")[0], copy_below=0,
+                     precopy=serve == "live-precopy")
     dst = transports(num_chunks=4)
     sd = make_state(10)
     src.send_checkpoint([1], 1, sd, TEN)
@@ -127,6 +129,21 @@ def test_served_state_never_arrives_changed_or_torn(transports: Callable[..., HT
     with pytest.raises(SourceRefused, match=r"\['model'\]\['layer0.weight'\] changed while it was served") as ei:
         dst.recv_checkpoint(0, live.metadata(), 4, TEN)
     assert ei.value.status == 410
+
+
+def test_a_range_that_cannot_start_is_answered_410_naming_the_tensor(
+        transports: Callable[..., HTTPTransport]) -> None:
+    """A range whose first piece is a tensor changed outside an optimizer step gets an
+    HTTP 410 that names it (the server reads the first piece before its 200), not a
+    dropped stream that a receiver could only retry."""
+    live = transports(copy_below=0)
+    sd = make_state(8)
+    live.send_checkpoint([1], 5, sd, TEN)
+    sd["model"]["layer0.weight"].add_(1)  # a bug in the caller
+    end = live._served.enc.data_bytes  # type: ignore[union-attr]
+    r = httpx.get(f"{live.metadata()}/checkpoint/5/data", params={"start": 0, "end": end}, timeout=5)
+    assert r.status_code == 410
+    assert "['model']['layer0.weight'] changed while it was served" in r.text
 
 
 # --------------------------------------------------------------------------- striping
@@ -287,3 +304,103 @@ def test_the_freeze_copies_the_tail_while_the_head_is_still_delivered() -> None:
     assert_same(want, wire.decode(bytes(got)))
     with pytest.raises(Exception, match="delivered and the sender has stepped since"):
         next(enc.iter_data(0, 4 << 18))  # a retired tensor is never read again
+
+
+def _live_state(n: int = 4) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
+    """``n`` tensors of 1 MiB (served live), a copy of them, and a fresh LiveEncoded
+    over them that copies ahead of the freeze (``precopy=True``)."""
+    import copy as copy_mod
+
+    from rallypoint.transports import wire
+    from rallypoint.transports._live import LiveEncoded
+
+    sd = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(n)}
+    return sd, copy_mod.deepcopy(sd), LiveEncoded(wire.encode(sd, block=1 << 18, copy_below=1, sums="inline"),
+                                                  receivers=1, precopy=True)
+
+
+def test_the_background_copy_leaves_the_freeze_nothing_to_copy() -> None:
+    """Once a receiver asks, a background thread copies what it has not got yet (back to
+    front) while forward and backward run. When the step's freeze comes, nothing is left
+    to copy on the training thread; the caller changes its state at once; and the stream
+    the receiver got decodes to the state as served."""
+    from rallypoint.transports import wire
+
+    sd, want, enc = _live_state()
+    got = bytearray(enc.header)
+    stream = enc.iter_data()
+    got.extend(next(stream))  # the first request starts the copier
+    enc._precopier.join(10)
+    assert not enc._precopier.is_alive()
+    assert enc.precopied == 4 << 20  # every tensor: none was delivered yet
+    assert enc.freeze(1.0) == 0  # the training thread copies nothing
+    for t in sd.values():
+        t.add_(1)  # the optimizer step, right after the freeze
+    for piece in stream:
+        got.extend(piece)
+    assert enc.delivered
+    assert_same(want, wire.decode(bytes(got)))
+
+
+def test_a_freeze_during_the_background_copy_waits_for_the_tensor_in_hand() -> None:
+    """The design's own race: the step's freeze arrives while the copier is copying a
+    tensor. The freeze waits for that copy (the caller must not change the tensor under
+    it), the copier stops there, the freeze copies the rest, and the receiver gets the
+    state as served, not a torn mix."""
+    from rallypoint.transports import wire
+
+    sd, want, enc = _live_state()
+    copying, go_on = threading.Event(), threading.Event()
+    real_copy = enc._copy
+    order: list[int] = []
+
+    def slow_copy(ti: int) -> Any:
+        order.append(ti)
+        if threading.current_thread().name == "checkpoint-precopy":
+            copying.set()
+            assert go_on.wait(10)
+        return real_copy(ti)
+
+    enc._copy = slow_copy  # type: ignore[method-assign]
+    got = bytearray(enc.header)
+    stream = enc.iter_data()
+    got.extend(next(stream))
+    assert copying.wait(10)  # the copier holds tensor 3 (back to front)
+    froze: queue.Queue[int] = queue.Queue()
+    freezer = threading.Thread(target=lambda: froze.put(enc.freeze(10.0)))
+    freezer.start()
+    with pytest.raises(queue.Empty):
+        froze.get(timeout=0.3)  # the freeze waits for the tensor in hand
+    go_on.set()
+    copied = froze.get(timeout=10)
+    freezer.join(10)
+    assert order[0] == 3 and enc.precopied == 1 << 20
+    assert copied == 3 << 20  # the freeze copied the other three
+    for t in sd.values():
+        t.add_(1)
+    for piece in stream:
+        got.extend(piece)
+    assert_same(want, wire.decode(bytes(got)))
+
+
+def test_a_tensor_changed_under_the_background_copy_is_never_delivered() -> None:
+    """An in-place change outside an optimizer step (a bug in the caller) while the
+    copier copies that tensor: its copy may be torn, so the offer is spoiled and every
+    later read is refused, naming the tensor."""
+    from rallypoint.transports._live import StateChanged
+
+    sd, _, enc = _live_state()
+    real_copy = enc._copy
+
+    def changed_during_copy(ti: int) -> Any:
+        sd[f"t{ti}"].add_(1)
+        return real_copy(ti)
+
+    enc._copy = changed_during_copy  # type: ignore[method-assign]
+    stream = enc.iter_data()
+    next(stream)
+    enc._precopier.join(10)
+    assert enc.spoiled is not None and "tensor ['t3'] changed while it was served" in enc.spoiled
+    with pytest.raises(StateChanged, match="changed while it was served"):
+        for _ in stream:
+            pass

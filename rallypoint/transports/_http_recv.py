@@ -81,6 +81,7 @@ class _Source:
     dead: str | None = None  # why it was dropped
     failures: int = 0
     served: int = 0  # ranges it delivered
+    refused: bool = False  # ``dead`` is the source's own refusal (see Receive._drop)
 
 
 class Receive:
@@ -232,8 +233,15 @@ class Receive:
             cv.notify_all()
             return src.dead is None and src.ready
 
-    def _drop(self, src: _Source, why: str) -> None:
+    def _drop(self, src: _Source, why: str, refused: bool = False) -> None:
+        """Take ``src`` out of the receive. ``refused``: the source itself said why (a
+        410 naming a changed tensor, say): that reason wins over an earlier symptom of
+        the same cause (the stream it dropped mid-range)."""
         with self.lock:
+            if refused and src.dead is not None and not src.refused:
+                src.dead = why
+            if refused:
+                src.refused = True
             if src.dead is None:
                 src.dead = why
                 others = [s for s in self.sources if s.dead is None]
@@ -286,7 +294,7 @@ class Receive:
                         return
                     logger.warning("%s: range %s failed (%d): %s", src.where, rng, src.failures, exc)
                     if fatal:
-                        self._drop(src, f"{type(exc).__name__}: {exc}")
+                        self._drop(src, f"{type(exc).__name__}: {exc}", refused=isinstance(exc, SourceRefused))
                         errors.append(exc)
                         with cv:
                             cv.notify_all()
@@ -313,7 +321,9 @@ class Receive:
                     cv.wait(min(0.1, max(0.0, self.deadline - time.monotonic())))
                 done = left[0] == 0
             if not done:
-                exc = errors[-1] if errors else None
+                # A source's own refusal says why; a dropped stream is only its symptom.
+                refusals = [e for e in errors if isinstance(e, SourceRefused)]
+                exc = refusals[-1] if refusals else errors[-1] if errors else None
                 if isinstance(exc, httpx.TimeoutException) or (exc is None and time.monotonic() >= self.deadline):
                     raise TransferTimeout(f"{self.where}: not complete within the timeout"
                                           + (f": {exc}" if exc else "")) from exc

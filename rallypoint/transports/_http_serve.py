@@ -16,6 +16,7 @@ served at once (more are closed at once).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import socket
 import ssl
@@ -277,12 +278,23 @@ class CheckpointServer:
             self._send_text(conn, Reply(404, f"the checkpoint of step {served.step} was withdrawn"), close=close)
             return not close
         try:
+            pieces = iter(reply.pieces)
+            first: memoryview | None = None
+            if not head_only:
+                try:  # before the 200: a body that cannot start gets its status, not a dropped stream
+                    first = next(pieces, None)
+                except Exception as e:
+                    status = getattr(e, "http_status", None)
+                    if not isinstance(status, int):
+                        raise
+                    self._send_text(conn, Reply(status, str(e)), close=close)
+                    return not close
             headers = {"content-type": "application/octet-stream", "content-length": str(reply.length)}
             conn.settimeout(served.timeout)
             conn.sendall(self._head_bytes(200, headers))
             if head_only:
                 return not close
-            for piece in reply.pieces:
+            for piece in itertools.chain([first] if first is not None else [], pieces):
                 if served.aborted:
                     # Dropping the connection: the client sees a short body.
                     logger.warning("checkpoint of step %d withdrawn mid-transfer; dropping the stream", served.step)

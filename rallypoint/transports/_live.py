@@ -13,6 +13,17 @@ The rules (:class:`LiveEncoded`):
   changes; they are small), device and non-contiguous tensors (they need a host copy
   anyway), and inference tensors (no version counter to guard them).
 * **Served live**: every other tensor, read straight from the caller's memory.
+* **Copied ahead of the freeze** (``precopy=True``; off by default): once a receiver
+  asks, a background thread copies the undelivered live tensors back to front while
+  forward and backward run (they change nothing served live), so the freeze finds little
+  or nothing left to copy when a heal outlasts the step. It is not the training thread
+  nor the quorum thread, and serving never waits for it: the first bytes leave from live
+  memory at once. Off by default because in the Manager's usual step the sources reach
+  the freeze only after the healing peer has everything (its allreduce waits for its
+  heal), so the background copy would be memory (up to the state's size) and memory
+  bandwidth spent on bytes that are delivered anyway. It pays where the sender steps
+  while a peer still reads and has idle cores: a DiLoCo sender's inner steps during the
+  sync delay on a GPU box.
 * **Frozen before the update**: :meth:`LiveEncoded.freeze` copies every live tensor that
   has not yet been delivered to every expected receiver, and retires the delivered ones
   (back to front, so the delivery of the head goes on while the tail is copied)
@@ -66,13 +77,17 @@ COPY_BELOW = 1 << 20
 class StateChanged(RuntimeError):
     """A live tensor changed while it was served, or was retired after delivery."""
 
+    #: what the checkpoint server answers when a range cannot start for this reason
+    http_status = 410
+
 
 class LiveEncoded(Encoded):
     """An :class:`Encoded` whose uncopied tensors are the caller's live memory (see the
     module docstring). ``receivers``: how many peers are expected to read it all;
     ``on_complete`` runs once every piece was delivered that often after :meth:`freeze`."""
 
-    def __init__(self, enc: Encoded, receivers: int, on_complete: Callable[[], None] | None = None) -> None:
+    def __init__(self, enc: Encoded, receivers: int, on_complete: Callable[[], None] | None = None,
+                 precopy: bool = False) -> None:
         self.__dict__.update(enc.__dict__)
         n = len(self.views)
         self._cv = threading.Condition()
@@ -90,8 +105,14 @@ class LiveEncoded(Encoded):
         self._slab: torch.Tensor | None = None  # where the freeze carves its copies from
         self._slab_used = 0
         self._slab_want = 0
+        self._slab_lock = threading.Lock()  # the copier and a freeze that gave up waiting for it
+        self._thawed = False  # the freeze returned: the caller may change its state now
         self._receivers = max(1, receivers)
         self._done = 0  # receivers that said they have everything they need from us
+        self._precopy = precopy
+        self._precopier: threading.Thread | None = None
+        #: bytes the background copier copied ahead of the freeze
+        self.precopied = 0
         #: a receiver asked for something (a header or a range) since it was served
         self.started = False
         self.frozen = False
@@ -119,6 +140,10 @@ class LiveEncoded(Encoded):
     def _take(self, ti: int) -> tuple[memoryview, bool]:
         self.started = True
         with self._cv:
+            if self._precopy and self._precopier is None and not self.frozen and self.live_bytes:
+                self._precopier = threading.Thread(target=self._precopy_all, name="checkpoint-precopy",
+                                                   daemon=True)
+                self._precopier.start()
             if self.spoiled is not None:
                 raise StateChanged(self.spoiled)
             if not self.views:
@@ -199,20 +224,51 @@ class LiveEncoded(Encoded):
         per 2 MiB. The copy is a flat ``uint8`` tensor: only its bytes are served."""
         src = self._tensors[ti]
         n = src.numel() * src.element_size()
-        if self._slab is None or self._slab_used + n > self._slab.numel():
-            size = max(n, min(SLAB_BYTES, self._slab_want))
-            self._slab = torch.empty(size, dtype=torch.uint8)
-            T.advise_huge_pages(self._slab)
-            self._slab_used = 0
-        dst = self._slab[self._slab_used : self._slab_used + n]
-        self._slab_used += (n + 63) & ~63  # each copy cache-line aligned
-        self._slab_want -= n
+        with self._slab_lock:
+            if self._slab is None or self._slab_used + n > self._slab.numel():
+                size = max(n, min(SLAB_BYTES, self._slab_want))
+                self._slab = torch.empty(size, dtype=torch.uint8)
+                T.advise_huge_pages(self._slab)
+                self._slab_used = 0
+            dst = self._slab[self._slab_used : self._slab_used + n]
+            self._slab_used += (n + 63) & ~63  # each copy cache-line aligned
+            self._slab_want -= n
         flat = src.detach().reshape(-1)
         try:
             dst.copy_(flat.view(torch.uint8))  # releases the GIL: serving threads go on
         except RuntimeError:  # dtypes torch will not reinterpret as bytes
             T.byte_view(dst)[:] = T.byte_view(src)
         return dst
+
+    def _swap_in(self, i: int, clone: torch.Tensor) -> None:
+        """Serve tensor ``i`` from ``clone`` from now on (under the lock). A change of the
+        live tensor during the copy spoils the offer (the copy may be torn)."""
+        if self._changed(i):
+            self._spoil(i)
+        self._tensors[i] = clone
+        self.views[i] = T.byte_view(clone)
+        self._live[i] = False
+
+    def _precopy_all(self) -> None:
+        """The background copier (see the module docstring): undelivered live tensors,
+        back to front, each swapped in once copied; it stops at the freeze, which waits
+        for the tensor in hand (the copies are only valid until the caller's next
+        change, and the freeze is what allows that change)."""
+        with self._cv, self._slab_lock:
+            order = [i for i in reversed(range(len(self._live))) if self._live[i]]
+            self._slab_want = sum(self.views[i].nbytes for i in order if self._sent[i] < self._need[i])
+        for i in order:
+            with self._cv:
+                if self.frozen or self.spoiled is not None or not self.views or self._done >= self._receivers:
+                    return
+                if not self._live[i] or self._sent[i] >= self._need[i]:
+                    continue  # already delivered to everyone: retired by the freeze, never copied
+            clone = self._copy(i)  # serving goes on from the live memory meanwhile
+            with self._cv:
+                if not self.views or self._thawed:
+                    return  # the freeze gave up waiting for this copy: the caller may have changed it
+                self._swap_in(i, clone)
+                self.precopied += clone.numel() * clone.element_size()
 
     def freeze(self, wait_s: float, keep: bool = True) -> int:
         """Make the served state independent of the caller's memory; returns the bytes
@@ -227,10 +283,16 @@ class LiveEncoded(Encoded):
             if self.frozen:
                 return 0
             self.frozen = True
-            todo = [i for i, live in enumerate(self._live) if live]
+            copier = self._precopier
         _unwatch(self)
+        if copier is not None:  # it stops after the tensor in hand; its copies are served
+            copier.join(wait_s)
+            if copier.is_alive():
+                logger.warning("the background copy of the served state still runs after %.1f s", wait_s)
+        with self._cv:
+            todo = [i for i, live in enumerate(self._live) if live]
         copied = 0
-        with self._cv:  # at most this much is copied: what is not delivered yet
+        with self._cv, self._slab_lock:  # at most this much is copied: what is not delivered yet
             self._slab_want = sum(self.views[i].nbytes for i in todo if self._sent[i] < self._need[i])
         # Back to front: the receivers read ranges front to back, so while this thread
         # copies the tail, the serving threads go on delivering the head from the live
@@ -245,18 +307,19 @@ class LiveEncoded(Encoded):
             if not delivered and self.spoiled is None:
                 clone = self._copy(i)  # reads go on from the live memory meanwhile
                 with self._cv:
-                    if self._changed(i):
-                        self._spoil(i)
-                    self._tensors[i] = clone
-                    self.views[i] = T.byte_view(clone)
-                    self._live[i] = False
+                    self._swap_in(i, clone)
                 copied += clone.numel() * clone.element_size()
-            with self._cv:
-                if not self._cv.wait_for(lambda i=i: self._summing[i] == 0, timeout=wait_s):  # type: ignore[misc]
-                    logger.warning("%s: a checksum of live memory still running after %.1f s", self._key(i), wait_s)
-        self._slab = None  # the copies keep their slabs alive, and free them with the last of them
-        if copied:
-            logger.info("froze the served state: copied %d bytes not yet delivered", copied)
+        with self._cv:  # reads of live memory still being summed, copied ones included
+            if not self._cv.wait_for(lambda: not any(self._summing), timeout=wait_s):
+                busy = [self._key(i) for i, k in enumerate(self._summing) if k]
+                logger.warning("%s: a checksum of live memory still running after %.1f s", ", ".join(busy), wait_s)
+        with self._cv:
+            self._thawed = True
+        with self._slab_lock:
+            self._slab = None  # the copies keep their slabs alive, and free them with the last of them
+        if copied or self.precopied:
+            logger.info("froze the served state: copied %d bytes not yet delivered (%d more copied ahead of it)",
+                        copied, self.precopied)
         with self._cv:
             complete = self._owed == 0 or self._done >= self._receivers
         if complete:

@@ -39,8 +39,9 @@ TLS (``rallypoint._net.tls``): the server serves it when the job has a certifica
 source against ``RALLYPOINT_TLS_CA`` and presents the job's certificate for mutual TLS.
 
 Memory: the live sender holds no copy of contiguous CPU tensors of 1 MiB or more until it
-freezes, and then only of what is not yet delivered (device, non-contiguous and smaller
-tensors are copied once, at ``send_checkpoint``); the receiver holds the state once (fresh
+freezes, and then only of what is not yet delivered (with ``precopy=True`` a background
+thread copies that ahead of the freeze once a receiver asks). Device, non-contiguous and
+smaller tensors are copied once, at ``send_checkpoint``. The receiver holds the state once (fresh
 tensors) plus, with ``into=`` and ``in_place=False``, the target until the copy.
 """
 
@@ -107,6 +108,14 @@ class HTTPTransport(CheckpointTransport[Any]):
             any change of the caller's state at any time is safe).
         copy_below: live serving copies tensors smaller than this at ``send_checkpoint``
             (what forward changes, like BatchNorm statistics, is small).
+        precopy: live serving also copies the undelivered tensors on a background
+            thread once a receiver asks, so that a heal longer than the step leaves the
+            freeze (on the training thread) little to copy. The cost is memory for what
+            is copied (up to the state's size, while the heal runs) and memory bandwidth
+            during forward and backward, spent even on bytes the receiver gets before
+            the freeze: worth it for a sender that steps while peers still read and has
+            idle cores (a DiLoCo sender on a GPU box), not in the Manager's usual step,
+            where the sources freeze only after the healing peer has everything.
         copy_on_send: the older spelling: True is ``serve="copy"``, False ``"live"``.
     """
 
@@ -133,6 +142,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         tls: TlsConfig | None = None,
         serve: str | None = None,
         copy_below: int = COPY_BELOW,
+        precopy: bool = False,
     ) -> None:
         if block < wire.MIN_NETWORK_BLOCK:
             raise ValueError(f"block={block} is below the {wire.MIN_NETWORK_BLOCK}-byte minimum receivers accept")
@@ -146,6 +156,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         #: "copy": serve a copy taken at send_checkpoint.
         self.serve_mode = serve
         self._copy_below = copy_below
+        self._precopy = precopy
         #: A receive can be striped over several sources (``metadata`` lists them).
         self.stripes = True
         #: The served state is guarded by the transport itself (a copy, or live tensors
@@ -280,7 +291,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             enc = LiveEncoded(
                 wire.encode(state_dict, block=self._block, extra={"step": step}, copy_below=self._copy_below,
                             sums="inline"),
-                receivers=len(dst_ranks), on_complete=delivered,
+                receivers=len(dst_ranks), on_complete=delivered, precopy=self._precopy,
             )
         served = _Served(step, enc, timeout.total_seconds())
         box.append(served)
