@@ -65,3 +65,17 @@ def test_a_forked_script_reads_its_stdin_pipe_and_dies_by_its_signal(tmp_path: P
     blocker.kill()
     assert blocker.wait(60) == -signal.SIGKILL
     assert "read go" in log.read_text()
+
+
+def test_a_zygote_that_died_is_started_again(tmp_path: Path, script: Path) -> None:
+    if os.environ.get("RALLYPOINT_TEST_NO_ZYGOTE"):
+        pytest.skip("RALLYPOINT_TEST_NO_ZYGOTE is set: workers start with subprocess.Popen")
+    z = zygote._ZYGOTE
+    z.start()
+    assert z._proc is not None
+    z._proc.kill()  # the OOM killer, say
+    z._proc.wait(30)
+    with open(tmp_path / "out.log", "w") as f:
+        p = zygote.popen([sys.executable, str(script), "plain", "0"], stdout=f, stderr=subprocess.STDOUT)
+    assert p.wait(60) == 0
+    assert z._proc.poll() is None

@@ -28,6 +28,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -200,31 +201,39 @@ class _Zygote:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._path = ""
+        self._ready_path = ""  # the socket of the zygote that said it is ready
 
     def start(self) -> None:
-        """Start the zygote (returns at once; the first spawn waits until it is ready)."""
+        """Start the zygote (returns at once; the first spawn waits until it is ready).
+        One that died (the OOM killer, say) is started again."""
         with self._lock:
-            if self._proc is not None:
+            if self._proc is not None and self._proc.poll() is None:
                 return
+            if self._path:  # the one that died
+                shutil.rmtree(os.path.dirname(self._path), ignore_errors=True)
             self._path = os.path.join(tempfile.mkdtemp(prefix="rp-zygote-"), "sock")
+            if self._proc is None:
+                atexit.register(self.stop)
             self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), self._path],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=_BASE_ENV)
-            atexit.register(self.stop)
 
     def _ready(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
         with self._lock:
-            if os.path.exists(self._path):
+            if self._ready_path == self._path:
                 return
             ready, _, _ = select.select([self._proc.stdout], [], [], START_TIMEOUT_S)
             line = self._proc.stdout.readline() if ready else b""
             if line.strip() != b"ready":
                 raise RuntimeError(f"the test zygote did not start within {START_TIMEOUT_S} s (exit {self._proc.poll()})")
+            self._ready_path = self._path
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait(10)
+        if self._path:
+            shutil.rmtree(os.path.dirname(self._path), ignore_errors=True)
 
     def spawn(self, argv: list[str], stdin: Any, stdout: Any, stderr: Any, env: dict[str, str] | None,
               cwd: str | None) -> ZygoteProc:
