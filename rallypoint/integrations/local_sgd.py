@@ -83,6 +83,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal
 
@@ -186,9 +187,9 @@ class DiLoCo(_InnerStepHook):
     def __init__(
         self,
         manager: DiLoCoManager,
-        model_fragments: list[nn.Module],
+        model_fragments: Sequence[nn.Module],
         inner_optimizer: optim.Optimizer,
-        outer_optimizer: optim.Optimizer | list[optim.Optimizer],
+        outer_optimizer: optim.Optimizer | Sequence[optim.Optimizer],
         sync_every: int,
         backup_device: torch.device | None = None,
         pin_memory: bool = True,
@@ -206,8 +207,12 @@ class DiLoCo(_InnerStepHook):
                 "DiLoCo requires a synchronous quorum: create the Manager with use_async_quorum=False "
                 "(a heal must be applied before the pseudo-gradient is computed)"
             )
-        if isinstance(outer_optimizer, list) and len(outer_optimizer) != n:
-            raise ValueError(f"{len(outer_optimizer)} outer optimizers for {n} model fragments; give one per fragment")
+        # Sequence, not list, in the hints: a user's [SGD(...), ...] is a list[SGD], which a
+        # type checker rejects where list[Optimizer] is asked for (lists are invariant).
+        outers: list[optim.Optimizer] = ([outer_optimizer] * n if isinstance(outer_optimizer, optim.Optimizer)
+                                         else list(outer_optimizer))
+        if len(outers) != n:
+            raise ValueError(f"{len(outers)} outer optimizers for {n} model fragments; give one per fragment")
         if sync_every < n:
             raise ValueError(f"sync_every={sync_every} is smaller than the {n} fragments: each needs >= 1 inner step")
         if sync_every % n != 0:
@@ -242,7 +247,7 @@ class DiLoCo(_InnerStepHook):
         self._hooks: list[RemovableHandle] = []
         self._fragments = [
             Fragment(
-                manager, m, i, outer_optimizer[i] if isinstance(outer_optimizer, list) else outer_optimizer,
+                manager, m, i, outers[i],
                 backup_device, pin_memory, use_bucketization or env_buckets, cap, should_quantize,
                 fragment_update_alpha,
             )
