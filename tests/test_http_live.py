@@ -274,14 +274,9 @@ def test_the_freeze_copies_the_tail_while_the_head_is_still_delivered() -> None:
     copied, so only the tail is copied. The receiver reads the last tensor from the copy
     after the caller has changed its state (its optimizer step), and the stream it got
     decodes to the state as served, never a torn mix."""
-    import copy as copy_mod
-
     from rallypoint.transports import wire
-    from rallypoint.transports._live import LiveEncoded
 
-    sd = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(4)}  # 1 MiB each, served live
-    want = copy_mod.deepcopy(sd)
-    enc = LiveEncoded(wire.encode(sd, block=1 << 18, copy_below=1, sums="inline"), receivers=1)
+    sd, want, enc = _live_state(precopy=False)
     got = bytearray(enc.header)
     stream = enc.iter_data()
     copies: list[int] = []
@@ -306,9 +301,9 @@ def test_the_freeze_copies_the_tail_while_the_head_is_still_delivered() -> None:
         next(enc.iter_data(0, 4 << 18))  # a retired tensor is never read again
 
 
-def _live_state(n: int = 4) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
+def _live_state(n: int = 4, precopy: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
     """``n`` tensors of 1 MiB (served live), a copy of them, and a fresh LiveEncoded
-    over them that copies ahead of the freeze (``precopy=True``)."""
+    over them (by default one that copies ahead of the freeze)."""
     import copy as copy_mod
 
     from rallypoint.transports import wire
@@ -316,7 +311,7 @@ def _live_state(n: int = 4) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
 
     sd = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(n)}
     return sd, copy_mod.deepcopy(sd), LiveEncoded(wire.encode(sd, block=1 << 18, copy_below=1, sums="inline"),
-                                                  receivers=1, precopy=True)
+                                                  receivers=1, precopy=precopy)
 
 
 def test_the_background_copy_leaves_the_freeze_nothing_to_copy() -> None:

@@ -187,14 +187,6 @@ class ZygoteProc:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def __enter__(self) -> ZygoteProc:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.stdin is not None:
-            self.stdin.close()
-        self.wait()
-
 
 class _Zygote:
     def __init__(self) -> None:
@@ -290,12 +282,6 @@ class _Zygote:
 _ZYGOTE = _Zygote()
 #: what :func:`popen` returns
 Proc = Union["subprocess.Popen[bytes]", ZygoteProc]
-
-
-def start() -> None:
-    """Start the zygote in the background (conftest does, at the session's start)."""
-    if not os.environ.get("RALLYPOINT_TEST_NO_ZYGOTE"):
-        _ZYGOTE.start()
 
 
 def popen(argv: list[str], *, stdin: Any = None, stdout: Any = None, stderr: Any = None,

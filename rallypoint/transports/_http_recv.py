@@ -81,7 +81,6 @@ class _Source:
     dead: str | None = None  # why it was dropped
     failures: int = 0
     served: int = 0  # ranges it delivered
-    refused: bool = False  # ``dead`` is the source's own refusal (see Receive._drop)
 
 
 class Receive:
@@ -238,12 +237,10 @@ class Receive:
         410 naming a changed tensor, say): that reason wins over an earlier symptom of
         the same cause (the stream it dropped mid-range)."""
         with self.lock:
-            if refused and src.dead is not None and not src.refused:
+            first = src.dead is None
+            if first or refused:
                 src.dead = why
-            if refused:
-                src.refused = True
-            if src.dead is None:
-                src.dead = why
+            if first:
                 others = [s for s in self.sources if s.dead is None]
                 if others:
                     logger.warning("%s: dropped from the striped heal (%s); %d other source(s) go on",
