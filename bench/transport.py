@@ -6,10 +6,12 @@ serves one state dict several ways at once (rallypoint ``HTTPTransport``, torchf
 that ``sendall``s the same tensor bytes: the ceiling). Each contender has its own receiver
 process. Below 2 GiB (the 100MB, 1GB and tiny4000 cases) all receivers live at once and
 take turns, round by round (one warm-up round, then ``--repeats``), so a shared machine's
-changing load hits all of them alike. This round-robin interleaving applies only below
-that size: from it on (``--cases 4GB``, never a default) ~6 receivers of 4 GB plus the
-sender do not fit in 24 GiB, so one receiver process runs at a time (started, its warm-up
-and repeats, stopped, then the next contender) against the same sender. ``rp_inplace`` is
+changing load hits all of them alike. From that size on (``--cases 4GB``, never a
+default) ~6 receivers of 4 GB plus the sender do not fit in 24 GiB, so one receiver
+process runs at a time and fetches once (started, one fetch, stopped), round by round,
+the contenders' order rotating each round: every fetch is then a real healing's (a fresh
+process, fresh memory), and no contender's later fetches depend on whether glibc reused
+the heap its previous fetch freed (at 4 GB that luck moved a median by 2x). ``rp_inplace`` is
 rallypoint receiving into a state dict of the same shapes that the receiver already holds
 (healing's real situation; that memory is part of its baseline RSS).
 
@@ -412,9 +414,10 @@ def _run_cases(a: argparse.Namespace, cases: list[str], contenders: list[str], e
             addrs = read_json_line(sender, 300, f"sender {case}")
             # Below SEQUENTIAL_FROM_BYTES all receivers live at once and take turns round by
             # round; from it on, one receiver process at a time (memory).
-            big = state_bytes(case) >= SEQUENTIAL_FROM_BYTES
-            for group in ([[c] for c in contenders] if big else [contenders]):
-                _run_group(a, case, group, sender, addrs, env, tls_args, results)
+            if state_bytes(case) >= SEQUENTIAL_FROM_BYTES:
+                _run_fresh_rounds(a, case, contenders, sender, addrs, env, tls_args, results)
+            else:
+                _run_group(a, case, contenders, sender, addrs, env, tls_args, results)
         finally:
             if sender.stdin:
                 sender.stdin.close()
@@ -424,55 +427,103 @@ def _run_cases(a: argparse.Namespace, cases: list[str], contenders: list[str], e
                 kill(sender)
 
 
+def _start_receiver(case: str, c: str, addrs: dict[str, Any], env: dict[str, str],
+                    tls_args: list[str]) -> subprocess.Popen[str]:
+    addr = addrs[{"rp_inplace": "rallypoint", TLS_INPLACE: TLS_CONTENDER}.get(c, c)]
+    extra = tls_args if c in TLS_CONTENDERS else []
+    r = child(["--role", "receiver", "--case", case, "--contender", c, "--addr", str(addr), *extra], env)
+    read_json_line(r, 300, f"receiver {case}/{c} start")
+    return r
+
+
+def _fetch(case: str, c: str, r: subprocess.Popen[str], sender: subprocess.Popen[str]) -> dict[str, Any]:
+    """One fetch by receiver ``r``, with the sender's CPU seconds during it."""
+    s0 = proc_cpu(sender.pid)
+    assert r.stdin is not None
+    r.stdin.write("fetch\n")
+    r.stdin.flush()
+    out = read_json_line(r, 600, f"receiver {case}/{c}")
+    out["sender_cpu"] = proc_cpu(sender.pid) - s0
+    return out
+
+
+def _end(case: str, c: str, r: subprocess.Popen[str]) -> dict[str, Any]:
+    assert r.stdin is not None
+    r.stdin.write("quit\n")
+    r.stdin.flush()
+    return read_json_line(r, 60, f"receiver {case}/{c} end")
+
+
+def _summary(case: str, first: dict[str, Any], runs: list[dict[str, Any]], mem: dict[str, Any]) -> dict[str, Any]:
+    med = statistics.median(x["t"] for x in runs)
+    out = {
+        "median_s": med,
+        "first_s": first["t"],
+        "gbps": state_bytes(case) / med / 1e9,
+        "recv_cpu_s": statistics.median(x["cpu"] for x in runs),
+        "send_cpu_s": statistics.median(x["sender_cpu"] for x in runs),
+        "first_minor_faults": first["minflt"],
+        "minor_faults": statistics.median(x["minflt"] for x in runs),
+        "peak_rss_mb": mem["hwm_kb"] / 1024,
+        "peak_over_base_x_state": (mem["first_hwm_kb"] - mem["base_kb"]) * 1024 / state_bytes(case),
+        "peak_over_base_x_state_all_repeats": (mem["hwm_kb"] - mem["base_kb"]) * 1024 / state_bytes(case),
+    }
+    if "fast_path_sockets" in mem:
+        out["fast_path_sockets"] = mem["fast_path_sockets"]
+    return out
+
+
 def _run_group(a: argparse.Namespace, case: str, group: list[str], sender: subprocess.Popen[str],
                addrs: dict[str, Any], env: dict[str, str], tls_args: list[str],
                results: dict[str, dict[str, Any]]) -> None:
+    """All receivers at once, taking turns round by round (round 0: the warm-up)."""
     receivers: dict[str, subprocess.Popen[str]] = {}
     try:
         for c in group:
-            addr = addrs[{"rp_inplace": "rallypoint", TLS_INPLACE: TLS_CONTENDER}.get(c, c)]
-            extra = tls_args if c in TLS_CONTENDERS else []
-            receivers[c] = child(["--role", "receiver", "--case", case, "--contender", c, "--addr", str(addr),
-                                  *extra], env)
-            read_json_line(receivers[c], 300, f"receiver {case}/{c} start")
-        runs: dict[str, list[dict[str, float]]] = {c: [] for c in group}
-        first: dict[str, float] = {}
-        first_faults: dict[str, int] = {}
-        for rnd in range(a.repeats + 1):  # round 0 is the warm-up
+            receivers[c] = _start_receiver(case, c, addrs, env, tls_args)
+        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in group}
+        first: dict[str, dict[str, Any]] = {}
+        for rnd in range(a.repeats + 1):
             for c, r in receivers.items():
-                s0 = proc_cpu(sender.pid)
-                assert r.stdin is not None
-                r.stdin.write("fetch\n")
-                r.stdin.flush()
-                out = read_json_line(r, 600, f"receiver {case}/{c}")
-                out["sender_cpu"] = proc_cpu(sender.pid) - s0
+                out = _fetch(case, c, r, sender)
                 if rnd:
                     runs[c].append(out)
                 else:
-                    first[c], first_faults[c] = out["t"], out["minflt"]
+                    first[c] = out
         for c, r in receivers.items():
-            assert r.stdin is not None
-            r.stdin.write("quit\n")
-            r.stdin.flush()
-            mem = read_json_line(r, 60, f"receiver {case}/{c} end")
-            med = statistics.median(x["t"] for x in runs[c])
-            results.setdefault(case, {})[c] = {
-                "median_s": med,
-                "first_s": first[c],
-                "gbps": state_bytes(case) / med / 1e9,
-                "recv_cpu_s": statistics.median(x["cpu"] for x in runs[c]),
-                "send_cpu_s": statistics.median(x["sender_cpu"] for x in runs[c]),
-                "first_minor_faults": first_faults[c],
-                "minor_faults": statistics.median(x["minflt"] for x in runs[c]),
-                "peak_rss_mb": mem["hwm_kb"] / 1024,
-                "peak_over_base_x_state": (mem["first_hwm_kb"] - mem["base_kb"]) * 1024 / state_bytes(case),
-                "peak_over_base_x_state_all_repeats": (mem["hwm_kb"] - mem["base_kb"]) * 1024 / state_bytes(case),
-            }
-            if "fast_path_sockets" in mem:
-                results[case][c]["fast_path_sockets"] = mem["fast_path_sockets"]
+            results.setdefault(case, {})[c] = _summary(case, first[c], runs[c], _end(case, c, r))
     finally:
         for r in receivers.values():
             kill(r)
+
+
+def _run_fresh_rounds(a: argparse.Namespace, case: str, contenders: list[str], sender: subprocess.Popen[str],
+                      addrs: dict[str, Any], env: dict[str, str], tls_args: list[str],
+                      results: dict[str, dict[str, Any]]) -> None:
+    """One receiver process at a time (memory), one fetch each: every fetch is a real
+    healing's (a fresh process, fresh memory; glibc's luck in reusing a previous fetch's
+    freed heap plays no part). Round 0 is the warm-up, its fetches the ``first`` column;
+    the contenders' order rotates each round, so none is always first after another's
+    exit. Peak RSS: the largest of the contender's processes."""
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
+    first: dict[str, dict[str, Any]] = {}
+    mems: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
+    for rnd in range(a.repeats + 1):
+        k = rnd % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            r = _start_receiver(case, c, addrs, env, tls_args)
+            try:
+                out = _fetch(case, c, r, sender)
+                mems[c].append(_end(case, c, r))
+            finally:
+                kill(r)
+            if rnd:
+                runs[c].append(out)
+            else:
+                first[c] = out
+    for c in contenders:
+        worst = max(mems[c], key=lambda m: m["first_hwm_kb"] - m["base_kb"])
+        results.setdefault(case, {})[c] = _summary(case, first[c], runs[c], worst)
 
 
 if __name__ == "__main__":

@@ -138,7 +138,10 @@ class Receive:
                 # Over TLS every range is a new connection and a full handshake (the fast
                 # path closes it after the body): no more ranges than connections.
                 max_chunk = max(max_chunk, -(-header.data_bytes // n))
-            self._fetch_all(client, sink, header.split(n, max_chunk))
+            try:
+                self._fetch_all(client, sink, header.split(n, max_chunk))
+            finally:
+                sink.close()
             self._say_done(client)
         try:
             return sink.finish()

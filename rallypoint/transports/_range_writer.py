@@ -64,6 +64,8 @@ class RangeWriter:
         _, ln, ti, st, _ = self.sink.header.pieces[pi]
         if self.sink._direct[ti]:
             self.sink.target_touched = True
+        else:
+            self.sink.prefault.claim(pi)
         return self.sink._views[ti][st : st + ln]
 
     def _key(self) -> str:

@@ -25,7 +25,8 @@ else; a parameter that is not an integer gets 422.
 Receiver (:mod:`._http_recv`): httpx, imported at the first receive (not at import: a
 Manager constructs a transport to serve, and most never fetch; httpx costs a cold start
 tens of ms). It reads the header, allocates the destination tensors (wire.Sink: fresh
-ones, or the caller's own with ``into=``), and fetches the data in ranges over
+ones, their pages mapped by a thread ahead of the bytes (:mod:`._prefault`), or the
+caller's own with ``into=``), and fetches the data in ranges over
 ``num_chunks`` connections per source, straight into the tensors with ``recv_into``,
 each range verified as it arrives and retried when it fails. ``metadata`` may list
 several sources (comma-separated): the receive is then striped over all of them, and a

@@ -407,7 +407,10 @@ class PGTransport(CheckpointTransport[Any]):
                 )
             sink = Sink(header, into=into, in_place=in_place, mesh=mesh,
                         device=self._device if self._on_device else None)
-            self._recv_data(src, header, sink, dl, stats)
+            try:
+                self._recv_data(src, header, sink, dl, stats)
+            finally:
+                sink.close()
             may_be_in_flight = False
             result = sink.finish()
         except WireError as e:

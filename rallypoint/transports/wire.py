@@ -76,6 +76,7 @@ Not preserved: storage sharing between entries (tied weights arrive as two tenso
 
 from __future__ import annotations
 
+import bisect
 import io
 import logging
 import threading
@@ -86,6 +87,7 @@ import torch
 
 from rallypoint.transports import _tensors as T
 from rallypoint.transports._crc import crc32
+from rallypoint.transports._prefault import Prefault
 from rallypoint.transports._header import (  # noqa: F401 - re-exported: wire is the public face
     _PREFIX,
     _SCALARS,
@@ -165,6 +167,7 @@ class Sink:
         self._piece_starts = [p[0] for p in header.pieces]
         if device is not None and device.type == "cpu":
             device = None
+        fresh: set[int] = set()  # tensors received into new CPU memory: mapped ahead (_prefault)
         for spec in header.tensors:
             if spec.device and device is None:
                 raise WireError(f"{spec.key}: sent from device memory; only a receiver on a device "
@@ -195,12 +198,14 @@ class Sink:
             else:
                 dest = torch.empty(spec.shape, dtype=spec.dtype)
                 T.advise_huge_pages(dest)
-                T.populate(dest)
+                fresh.add(spec.index)
             self._dest.append(dest)
             self._views.append(memoryview(b"") if spec.device else T.byte_view(dest))
             self._target.append(tgt.detach() if ok else None)
             self._target_leaf.append(leaf if ok else None)
             self._direct.append(direct)
+        ptrs = {ti: self._dest[ti].data_ptr() for ti in fresh}  # type: ignore[union-attr]
+        self.prefault = Prefault([(ptrs[ti] + st, ln) if ti in ptrs else None for _, ln, ti, st, _ in header.pieces])
 
     @staticmethod
     def _mesh_for(spec: TensorSpec, tgt: Any, mesh: Any) -> Any:
@@ -226,11 +231,22 @@ class Sink:
     def writer(self, start: int, end: int) -> RangeWriter:
         return RangeWriter(self, start, end)
 
+    def close(self) -> None:
+        """Stop mapping pages ahead (:mod:`._prefault`): the receive ended or failed."""
+        self.prefault.stop()
+
     # Whole-tensor receive (PGTransport): the destination of tensor ``ti``, whether it
     # is the caller's own target, and verification after its bytes were written.
     def destination(self, ti: int) -> torch.Tensor:
+        """Tensor ``ti``'s destination, its fresh pages mapped (by now or by the thread)."""
         dest = self._dest[ti]
         assert dest is not None, f"tensor {ti} has no destination"
+        spec = self.header.tensors[ti]
+        if spec.nbytes:
+            pi = bisect.bisect_left(self._piece_starts, spec.offset)
+            while pi < len(self._piece_starts) and self.header.pieces[pi][2] == ti:
+                self.prefault.claim(pi)
+                pi += 1
         return dest
 
     def writes_into_target(self, ti: int) -> bool:
@@ -280,6 +296,7 @@ class Sink:
 
     def finish(self) -> Any:
         """Check every piece arrived and verified, then copy into targets and build the tree."""
+        self.prefault.stop()
         if not self.complete:
             first = self.header.tensors[self.header.pieces[self._verified.index(0)][2]]
             raise WireError(
@@ -366,12 +383,15 @@ def decode_from(
     readinto = _readinto_of(src)
     header = read_header(readinto, max_header_bytes)
     sink = Sink(header, into=into, in_place=in_place, mesh=mesh)
-    w = sink.writer(0, header.data_bytes)
-    w.pull(readinto)
-    w.close()
-    if expect_eof and readinto(memoryview(bytearray(1))):
-        raise WireError("trailing bytes after the data region", target_modified=sink.target_touched)
-    return sink.finish()
+    try:
+        w = sink.writer(0, header.data_bytes)
+        w.pull(readinto)
+        w.close()
+        if expect_eof and readinto(memoryview(bytearray(1))):
+            raise WireError("trailing bytes after the data region", target_modified=sink.target_touched)
+        return sink.finish()
+    finally:
+        sink.close()
 
 
 def decode(buf: bytes | bytearray | memoryview, **kw: Any) -> Any:
