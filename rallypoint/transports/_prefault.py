@@ -29,6 +29,11 @@ logger = logging.getLogger("rallypoint.transports.prefault")
 #: Below this many fresh bytes the thread is not worth starting: claiming pieces as the
 #: connections reach them maps small states fast enough.
 BACKGROUND_MIN_BYTES = 64 << 20
+PAGE = 4096
+
+
+def _has_a_page(addr: int, nbytes: int) -> bool:
+    return (addr + nbytes) & ~(PAGE - 1) > (addr + PAGE - 1) & ~(PAGE - 1)
 
 
 class Prefault:
@@ -37,7 +42,8 @@ class Prefault:
     (in order) or by a writer that reaches a piece first (:meth:`claim`)."""
 
     def __init__(self, pieces: Sequence[tuple[int, int] | None], *, background: bool = True) -> None:
-        self._pieces = list(pieces)
+        # A piece without a whole page of its own (a tiny tensor) has nothing to map.
+        self._pieces = [p if p is not None and _has_a_page(*p) else None for p in pieces]
         # 1: claimed by someone (or nothing to map). A bytearray so that claim() costs an
         # index when the piece is done, as it is for every read after a piece's first.
         self._claimed = bytearray(1 if p is None else 0 for p in self._pieces)
