@@ -33,7 +33,8 @@ out of the measured steps after the warm-up heal.
 Contenders (in one run): ``rp_live`` = rallypoint ``HTTPTransport(timeout, 4,
 bind="127.0.0.1:0", serve="live")`` (its defaults), ``rp_precopy`` = the same with
 ``precopy=True`` (a background copy ahead of the freeze), ``rp_copy`` = the same with
-``serve="copy"``,
+``serve="copy"``, ``rp_meet`` = ``rp_live`` with the freeze as it was before it could
+wait for the receivers (it copies back to front until it meets their delivery, always),
 ``torchft`` = torchft 0.2.0's ``HTTPTransport(timeout, num_chunks=0)`` (its Manager's
 default; it serves the caller's tensors, and ``disallow_checkpoint`` waits for the transfer
 in flight), ``socket`` = the floor: the parameters' bytes over a plain socket, served live
@@ -96,7 +97,7 @@ import _util  # noqa: E402
 from _transport_util import keep_freed_heap  # noqa: E402
 from _util import Child, close_all, median, table  # noqa: E402
 
-CONTENDERS = ("rp_live", "rp_precopy", "rp_copy", "torchft", "socket")
+CONTENDERS = ("rp_live", "rp_meet", "rp_precopy", "rp_copy", "torchft", "socket")
 TENSOR_NUMEL = 3 * 1024 * 1024 // 4  # 3 MiB of float32
 LR = 1e-4
 GOAL_MS_PER_GB = 50.0
@@ -251,8 +252,16 @@ def make_transport(contender: str, timeout: timedelta) -> tuple[Any, str]:
         return TorchftHTTP(timeout, num_chunks=0), "torchft num_chunks=0"
     from rallypoint.transports.http import HTTPTransport
 
-    mode = {"rp_live": "live", "rp_precopy": "live", "rp_copy": "copy"}[contender]
+    mode = {"rp_live": "live", "rp_meet": "live", "rp_precopy": "live", "rp_copy": "copy"}[contender]
     params = inspect.signature(HTTPTransport).parameters
+    if contender == "rp_meet":
+        # The freeze as it was before it could wait for the receivers: it always copies
+        # back to front until it meets their delivery (never weighs waiting instead).
+        from rallypoint.transports import _live
+
+        if hasattr(_live, "MEASURE_S"):
+            _live.MEASURE_S = float("inf")
+        return HTTPTransport(timeout, 4, bind="127.0.0.1:0", serve=mode), "serve='live', the freeze never waits"
     if contender == "rp_precopy" and "precopy" in params:
         return HTTPTransport(timeout, 4, bind="127.0.0.1:0", serve=mode, precopy=True), \
             "serve='live', precopy=True"
@@ -460,7 +469,7 @@ def main() -> None:
     ap.add_argument("--baseline-steps", type=int, default=4)
     ap.add_argument("--after-steps", type=int, default=1)
     ap.add_argument("--warmup-steps", type=int, default=2)
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "rp_meet"))
     ap.add_argument("--layout", choices=["split", "shared"], default="split")
     ap.add_argument("--compute", choices=["cpu", "wait"], default="cpu",
                     help="cpu: matmuls on the training thread; wait: it sleeps --compute-ms, as a step whose "

@@ -1,0 +1,139 @@
+"""The freeze's choice between copying the undelivered tail and waiting for the receivers
+(rallypoint.transports._live: ``wait_for_delivery`` and its use in ``LiveEncoded.freeze``)."""
+
+from __future__ import annotations
+
+import copy as copy_mod
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from rallypoint.transports import _live, wire
+from rallypoint.transports._live import LiveEncoded, wait_for_delivery
+from test_http_transport import assert_same
+
+MiB = 1 << 20
+GB = 1e9
+
+
+@pytest.mark.parametrize(
+    ("left_send", "rate_before", "left_copy", "copy_rate", "rate_copying", "want"),
+    [
+        # 0.1 GB left at 2 GB/s (0.05 s) against 0.5 GB to copy at 1 GB/s while the
+        # transfer still makes 0.5 GB/s (meets in 0.33 s): wait, at most 2 x 0.05 s.
+        (0.1 * GB, 2 * GB, 0.5 * GB, 1 * GB, 0.5 * GB, 0.1),
+        # The copy is fast and costs the transfer nothing: meeting in the middle (0.05 s)
+        # beats waiting (0.25 s): copy.
+        (0.5 * GB, 2 * GB, 0.5 * GB, 8 * GB, 2 * GB, 0.0),
+        # Equal estimates: copy (it needs nothing from a receiver).
+        (1 * GB, 1 * GB, 2 * GB, 1 * GB, 1 * GB, 0.0),
+        # Waiting is sooner, but twice the expected wait exceeds the copy's time: the
+        # copy's time bounds the wait.
+        (0.3 * GB, 1 * GB, 0.5 * GB, 1 * GB, 0.0, 0.5),
+        # Nothing to copy, nothing left to send, or no rate yet: copy (nothing to weigh).
+        (0.1 * GB, 1 * GB, 0.0, 1 * GB, 0.0, 0.0),
+        (0.0, 1 * GB, 0.1 * GB, 1 * GB, 0.0, 0.0),
+        (0.1 * GB, 0.0, 0.1 * GB, 1 * GB, 0.0, 0.0),
+        (0.1 * GB, 1 * GB, 0.1 * GB, 0.0, 0.0, 0.0),
+    ],
+)
+def test_wait_only_when_the_receivers_finish_sooner_than_copying_would(
+        left_send: float, rate_before: float, left_copy: float, copy_rate: float, rate_copying: float,
+        want: float) -> None:
+    assert wait_for_delivery(left_send, rate_before, left_copy, copy_rate, rate_copying) == pytest.approx(want)
+
+
+def _state(n: int = 4) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], LiveEncoded]:
+    """``n`` tensors of 1 MiB served live (one piece each), a copy, and the encoding."""
+    sd = {f"t{i}": torch.full((MiB // 4,), float(i)) for i in range(n)}
+    enc = LiveEncoded(wire.encode(sd, block=MiB, copy_below=1, sums="inline"), receivers=1)
+    return sd, copy_mod.deepcopy(sd), enc
+
+
+def _weigh(pause: float, calls: list[tuple[float, ...]]) -> Any:
+    def decide(*args: float) -> float:
+        calls.append(args)
+        return pause
+    return decide
+
+
+def test_a_freeze_waits_for_a_receiver_about_to_finish_instead_of_copying(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver has two of four tensors when the step's freeze comes. The freeze
+    copies the last one (back to front), weighs what is left, and waits: the receiver
+    reads the other two meanwhile, from live memory, and the freeze returns having copied
+    one tensor, not two. The stream the receiver got is the state as served."""
+    monkeypatch.setattr(_live, "MEASURE_S", 0.0)  # weigh after the first copy, however quick
+    calls: list[tuple[float, ...]] = []
+    monkeypatch.setattr(_live, "wait_for_delivery", _weigh(30.0, calls))
+    sd, want, enc = _state()
+    got = bytearray(enc.header)
+    stream = enc.iter_data()
+    while not enc.delivered_tensor(1):  # tensors 0 and 1 (tensor 2's first bytes are out)
+        got.extend(next(stream))
+    copied_last = threading.Event()
+    real_copy = enc._copy
+
+    def copy(ti: int) -> Any:
+        out = real_copy(ti)
+        copied_last.set()
+        return out
+
+    enc._copy = copy  # type: ignore[method-assign]
+
+    def receiver() -> None:
+        assert copied_last.wait(10)
+        for piece in stream:  # the rest: tensor 2 from live memory, tensor 3 from its copy
+            got.extend(piece)
+
+    th = threading.Thread(target=receiver)
+    th.start()
+    copied = enc.freeze(30.0)
+    th.join(10)
+    assert not th.is_alive()
+    assert copied == MiB  # the last tensor only: tensor 2 arrived while the freeze waited
+    assert enc.delivered
+    (args,) = calls
+    left_send, rate_before, left_copy, copy_rate, _ = args
+    assert left_send == 2 * MiB and left_copy == MiB and rate_before > 0 and copy_rate > 0
+    for t in sd.values():
+        t.add_(1)  # the optimizer step, after the freeze
+    assert_same(want, wire.decode(bytes(got)))
+
+
+def test_a_freeze_waits_for_a_stalled_receiver_no_longer_than_it_was_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver that stops reading after two tensors: the freeze waits the bounded
+    time, then copies what is left, and the caller's step goes on; the receiver that
+    comes back later gets the state as served, from the copies."""
+    monkeypatch.setattr(_live, "MEASURE_S", 0.0)
+    monkeypatch.setattr(_live, "wait_for_delivery", _weigh(0.2, []))
+    sd, want, enc = _state()
+    got = bytearray(enc.header)
+    stream = enc.iter_data()
+    while not enc.delivered_tensor(1):
+        got.extend(next(stream))
+    t0 = time.monotonic()
+    copied = enc.freeze(30.0)
+    took = time.monotonic() - t0
+    assert copied == 2 * MiB  # tensors 3 and 2: nobody delivered them
+    assert 0.2 <= took < 5.0
+    for t in sd.values():
+        t.add_(1)
+    for piece in stream:
+        got.extend(piece)
+    assert_same(want, wire.decode(bytes(got)))
+
+
+def test_a_freeze_with_nothing_delivered_yet_copies_without_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No receiver has read anything: there is no delivery rate to weigh, and the real
+    rule copies everything at once (the receiver may never come)."""
+    monkeypatch.setattr(_live, "MEASURE_S", 0.0)
+    sd, want, enc = _state()
+    t0 = time.monotonic()
+    assert enc.freeze(30.0) == 4 * MiB
+    assert time.monotonic() - t0 < 5.0
+    for t in sd.values():
+        t.add_(1)
+    assert_same(want, wire.decode(b"".join(bytes(v) for v in enc.iter_stream())))
