@@ -321,6 +321,22 @@ class LiveEncoded(Encoded):
         or the state is withdrawn)."""
         return self._sent[i] >= self._need[i] or self._done >= self._receivers or not keep
 
+    def _wait_instead(self, left_copy: float, copy_rate: float, rate_before: float, began: float, sent0: float,
+                      wait_s: float) -> bool:
+        """Under the lock, during a freeze that began at ``began`` with ``sent0`` bytes
+        delivered: wait for the receivers if :func:`wait_for_delivery` says so (at most
+        ``wait_s``); whether it waited."""
+        now = time.monotonic()
+        rate_copying = (self._sent_bytes - sent0) / (now - began) if now > began else 0.0
+        pause = min(wait_s, wait_for_delivery(max(0.0, self._need_bytes - self._sent_bytes), rate_before,
+                                              left_copy, copy_rate, rate_copying))
+        if pause <= 0:
+            return False
+        self._cv.wait_for(lambda: self.delivered or self.spoiled is not None, timeout=pause)
+        logger.debug("freeze: waited %.3f s (at most %.3f s) for the receivers: %s", time.monotonic() - now, pause,
+                     "all delivered" if self.delivered else "copying the rest")
+        return True
+
     def freeze(self, wait_s: float, keep: bool = True) -> int:
         """Make the served state independent of the caller's memory; returns the bytes
         copied. Undelivered live tensors are copied (reads go on from the copies),
@@ -346,6 +362,10 @@ class LiveEncoded(Encoded):
         with self._cv, self._slab_lock:  # at most this much is copied: what is not delivered yet
             undelivered = {i for i in todo if self._sent[i] < self._need[i]}
             self._slab_want = sum(self.views[i].nbytes for i in undelivered)
+            left_copy = float(self._slab_want)
+            began, sent0 = time.monotonic(), self._sent_bytes
+            reading_s = began - self._first_read if self._first_read is not None else 0.0
+            rate_before = sent0 / reading_s if reading_s > 0 else 0.0
         # Back to front: the receivers read ranges front to back, so while this thread
         # copies the tail, the serving threads go on delivering the head from the live
         # memory; a tensor delivered by the time it is reached is retired, not copied.
@@ -353,27 +373,13 @@ class LiveEncoded(Encoded):
         # and takes no longer than copying all of it (or than waiting for all of it).
         # Once, it may instead wait for the receivers to finish, when that is expected
         # to be sooner than its own copying (wait_for_delivery).
-        with self._cv:
-            left_copy = float(self._slab_want)
-            began, sent0 = time.monotonic(), self._sent_bytes
-            reading_s = began - self._first_read if self._first_read is not None else 0.0
-            rate_before = sent0 / reading_s if reading_s > 0 else 0.0
         copy_s, waited = 0.0, False
         for i in reversed(todo):
             with self._cv:
                 delivered = self._delivered(i, keep)
                 if not delivered and not waited and copy_s > 0 and copy_s >= MEASURE_S and self.spoiled is None:
-                    now = time.monotonic()
-                    pause = min(wait_s, wait_for_delivery(
-                        max(0.0, self._need_bytes - self._sent_bytes), rate_before, left_copy, copied / copy_s,
-                        (self._sent_bytes - sent0) / (now - began) if now > began else 0.0))
-                    if pause > 0:
-                        waited = True
-                        self._cv.wait_for(lambda: self.delivered or self.spoiled is not None, timeout=pause)
-                        logger.debug("freeze: waited %.3f s (at most %.3f s) for the receivers: %s",
-                                     time.monotonic() - now, pause,
-                                     "all delivered" if self.delivered else "copying the rest")
-                        delivered = self._delivered(i, keep)
+                    waited = self._wait_instead(left_copy, copied / copy_s, rate_before, began, sent0, wait_s)
+                    delivered = self._delivered(i, keep)
                 if delivered or self.spoiled is not None:
                     self._retired[i] = True
             if not delivered and self.spoiled is None:

@@ -264,7 +264,9 @@ class Sink:
                         self._verified[pi] = 1
                         self._nverified += 1
             return
-        self._views[ti] = T.byte_view(self.destination(ti))
+        dest = self._dest[ti]
+        assert dest is not None, f"tensor {ti} has no destination"
+        self._views[ti] = T.byte_view(dest)  # (not destination(): its pages are in, nothing to claim)
         for pi in pieces:
             self._verify(pi)
 
