@@ -49,8 +49,8 @@ destination: the machine's TLS ceiling). Ratios (time over TLS / in clear
 text; goal <= 1.15 for the 1 GB heal): ``http_tls_vs_http``,
 ``http_tls_inplace_vs_inplace``, ``first_fetch_http_tls_vs_http``,
 ``socket_tls_vs_socket``, and ``http_tls_of_socket_tls``. ``fast_path_sockets`` counts
-the socket types the receiver's ``recv_into`` fast path got (``SSLSocket``: the fast
-path ran over TLS).
+the socket types the receiver's requests went over (``SSLSocket``: TLS, each body
+decrypted straight into the tensors).
 
 Cases: 100 MB of 3 MB float32 tensors, 1 GB of them (``--full``), 4 GB of them (only
 ``--cases 4GB``), 4,000 tiny tensors. Reported per contender: the first (cold: fresh
@@ -75,7 +75,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import importlib
 import json
 import os
 import resource
@@ -223,30 +222,26 @@ def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = Non
         # Rallypoint over mutual TLS with the job token, receiving into fresh tensors (as
         # "rallypoint") or in place (as "rp_inplace"); it verifies the sender against the
         # job's CA and presents the job's certificate.
-        import rallypoint.transports.http as rp_http
         from rallypoint.transports.http import HTTPTransport
 
         if not (tls_dir and addr.startswith("https://")):
             raise SystemExit(f"{contender}: the sender does not serve TLS ({addr!r}) or no --tls-dir")
         job = _util.TlsJob.from_dir(tls_dir)
         t = HTTPTransport(TIMEOUT, 4, bind="127.0.0.1:0", token=job.token, tls=job.config(mutual=True))
-        # Which socket the recv_into fast path reads from (an ssl.SSLSocket over TLS; None:
-        # the slower iter_raw path). Counted, not changed.
+        # Which socket the receiver's connections read the bodies from (an ssl.SSLSocket
+        # over TLS). Counted, not changed.
         fast_path = collections.Counter()
-        # Patched where the receiving code looks it up (its own module since it left http.py).
-        rp_recv_mod: Any = rp_http
-        try:
-            rp_recv_mod = importlib.import_module("rallypoint.transports._http_recv")
-        except ImportError:  # older: in http.py
-            pass
-        real_plain_socket = rp_recv_mod._plain_socket
+        from rallypoint.transports import _http_client
 
-        def spy(r: Any) -> Any:
-            sock = real_plain_socket(r)
-            fast_path[type(sock).__name__ if sock is not None else "None (iter_raw path)"] += 1
-            return sock
+        real_get = _http_client.Connection.get
 
-        rp_recv_mod._plain_socket = spy
+        def spy(self: Any, *args: Any, **kw: Any) -> Any:
+            reply = real_get(self, *args, **kw)
+            sock = self._conn.sock if self._conn is not None else None
+            fast_path[type(sock).__name__] += 1
+            return reply
+
+        _http_client.Connection.get = spy  # type: ignore[method-assign]
         if contender == TLS_INPLACE:
             tls_template = zeros_state(case)
             fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT, into=tls_template, in_place=True)  # noqa: E731
@@ -362,6 +357,9 @@ def main() -> None:
                     help=f"also the {TLS_CONTENDER} contender: rallypoint HTTP over mutual TLS with a job token")
     ap.add_argument("--contenders", default=None,
                     help="comma-separated subset of the contenders (default: all; a *_tls* one implies --tls)")
+    ap.add_argument("--fresh-processes", action="store_true",
+                    help="every fetch by a fresh receiver process (a real healing's memory), whatever the size "
+                         "(always from 2 GiB on)")
     ap.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--contender", help=argparse.SUPPRESS)
@@ -413,8 +411,8 @@ def _run_cases(a: argparse.Namespace, cases: list[str], contenders: list[str], e
         try:
             addrs = read_json_line(sender, 300, f"sender {case}")
             # Below SEQUENTIAL_FROM_BYTES all receivers live at once and take turns round by
-            # round; from it on, one receiver process at a time (memory).
-            if state_bytes(case) >= SEQUENTIAL_FROM_BYTES:
+            # round; from it on (or with --fresh-processes), one receiver process per fetch.
+            if a.fresh_processes or state_bytes(case) >= SEQUENTIAL_FROM_BYTES:
                 _run_fresh_rounds(a, case, contenders, sender, addrs, env, tls_args, results)
             else:
                 _run_group(a, case, contenders, sender, addrs, env, tls_args, results)

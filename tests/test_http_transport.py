@@ -493,21 +493,64 @@ def test_in_place_receive_of_a_corrupt_source_says_the_target_was_written(
         dst.recv_checkpoint(0, bad.metadata(), 1, TEN, into=target, in_place=True)
 
 
-def test_portable_path_without_the_raw_socket(
+def test_each_worker_keeps_one_connection_for_all_its_ranges(
     transports: Callable[..., HTTPTransport], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where httpcore offers no socket (other backends, https), httpx's own body iterator
-    is used: same results, same retries."""
-    import rallypoint.transports.http as http_mod
+    """~60 ranges over 4 workers: a connection per worker (plus the header's), kept alive
+    from range to range; the range that failed its checksum costs one new connection."""
+    import http.client
 
-    from rallypoint.transports import _http_recv
+    connects: list[int] = []
+    real_connect = http.client.HTTPConnection.connect
 
-    monkeypatch.setattr(_http_recv, "_plain_socket", lambda r: None)
+    def counting(self: http.client.HTTPConnection) -> None:
+        connects.append(1)
+        real_connect(self)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "connect", counting)
     src = transports(Faulty, mode="flip", faults=1, **SMALL_BLOCKS)
     dst = transports(**MANY_RANGES)
     sd = make_state(14)
     src.send_checkpoint([1], 1, sd, TEN)
     assert_same(sd, dst.recv_checkpoint(0, src.metadata(), 1, TEN))
+    assert isinstance(src, Faulty) and src.requests == n_ranges(sd) + 1 > 20
+    assert len(connects) <= 4 + 1 + 1, connects
+
+
+def test_receive_goes_to_the_source_not_to_a_proxy(transports: Callable[..., HTTPTransport],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Proxy settings are not followed: the state (and the bearer token) go straight to the
+    address the source advertises."""
+    for var in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")  # discard port: nothing there
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    src, dst = transports(token="s3cret"), transports(token="s3cret")
+    sd = make_state(15)
+    src.send_checkpoint([1], 1, sd, TEN)
+    assert_same(sd, dst.recv_checkpoint(0, src.metadata(), 1, TEN))
+
+
+def test_a_process_that_heals_imports_no_http_library() -> None:
+    """A heal is usually a fresh process's first receive: it imports nothing beyond the
+    standard library for HTTP (httpx and httpcore cost 0.1-0.2 s there)."""
+    code = STATE_CODE + """
+import sys
+from datetime import timedelta
+from rallypoint.transports.http import HTTPTransport
+T = timedelta(seconds=20)
+src = HTTPTransport(timeout=T, bind="127.0.0.1:0")
+dst = HTTPTransport(timeout=T, bind="127.0.0.1:0")
+sd = make_state(16)
+src.send_checkpoint([1], 1, sd, T)
+out = dst.recv_checkpoint(0, src.metadata(), 1, T)
+assert torch.equal(out["model"]["layer0.weight"], sd["model"]["layer0.weight"])
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("httpx", "httpcore", "h11", "anyio")))
+src.shutdown(); dst.shutdown()
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
 
 
 def test_shutdown_without_waiting_ends_cleanly(caplog: pytest.LogCaptureFixture) -> None:

@@ -51,10 +51,10 @@ READY_ENV = "RALLYPOINT_STANDBY_READY"  # rallypoint.supervisor.envs.READY_ENV
 # What every standby imports before the user's --preload modules: torch, what a script's
 # first optimizer pulls in (torch._dynamo: 0.5 s on an idle host, seconds on a busy one),
 # and the pieces of rallypoint a training script builds first (the Manager, its server,
-# process groups, DDP) or its first heal uses (the HTTP transport, httpx).
+# process groups, DDP) or its first heal uses (the HTTP transport and its client).
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch._dynamo", "rallypoint.manager.manager",
                    "rallypoint.manager.server", "rallypoint.process_groups", "rallypoint.integrations.ddp",
-                   "rallypoint.transports.http", "httpx")
+                   "rallypoint.transports.http")
 MAX_GO_BYTES = 16 * 1024 * 1024  # the go message is an environment: far below this
 PRELOAD_FAILED_EXIT = 3
 

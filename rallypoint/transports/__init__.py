@@ -3,11 +3,12 @@
 * :mod:`.wire` - the safe wire format (JSON header + raw tensor bytes; never unpickles).
 * :class:`CheckpointTransport` - the interface (torchft's names); :class:`CheckpointTransportLike`
   the Protocol a user's or torchft's transport satisfies structurally.
-* :class:`HTTPTransport` - a small threaded HTTP/1.1 server, httpx client, parallel ranges.
+* :class:`HTTPTransport` - a small threaded HTTP/1.1 server and client (the standard
+  library's ``http.client``), parallel ranges striped over every live peer.
 * :class:`PGTransport` - send/recv over a (reconfigurable) process group.
 
 ``HTTPTransport`` is imported lazily so ``import rallypoint.transports.wire`` does not pull
-in httpx.
+in the HTTP server and client.
 """
 
 from __future__ import annotations

@@ -16,11 +16,10 @@ did. The inline checksums verify each range against the source that sent it. Whe
 receive is complete, every source is told (``/done``), so a live sender drops its frozen
 copy at once instead of at its timeout.
 
-Fast path: the status and headers go through httpx, then the body is read with
-``recv_into`` straight into the destination tensors from the socket under the response
-(httpcore's ``network_stream`` extension; over TLS the ``ssl.SSLSocket``, which decrypts
-into them); that connection is then closed rather than reused. Where the extension is
-missing, the plain ``iter_raw`` path is used.
+HTTP (:mod:`._http_client`, on the standard library's ``http.client``): every worker
+thread keeps one connection to its source for all its ranges, and reads each range's body
+straight into the destination tensors (``recv_into`` under the response's buffered
+reader; over TLS the ``ssl.SSLSocket`` decrypts into them).
 """
 
 from __future__ import annotations
@@ -33,22 +32,15 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
+from http.client import HTTPException, HTTPResponse
 from typing import TYPE_CHECKING, Any
 
 from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES
 from rallypoint.transports import wire
-from rallypoint.transports._http_util import (
-    SourceRefused,
-    TransferError,
-    TransferTimeout,
-    _check_status,
-    _plain_socket,
-    _timeout,
-)
+from rallypoint.transports._http_client import NET_ERRORS, Connection, error_text, read_body
+from rallypoint.transports._http_util import SourceRefused, TransferError, TransferTimeout
 
 if TYPE_CHECKING:
-    import httpx
-
     from rallypoint.transports.http import HTTPTransport
 
 logger = logging.getLogger("rallypoint.transports.http")
@@ -96,33 +88,36 @@ class Receive:
         if len(bases) > 1:
             self.where += f" (+{len(bases) - 1} more sources)"
         try:
-            self.verify: ssl.SSLContext | bool = transport._ssl() if transport._tls.client_tls(bases[0]) else False
+            self.context: ssl.SSLContext | None = transport._ssl() if transport._tls.client_tls(bases[0]) else None
         except ValueError as exc:  # TLS required and the source is clear text
             raise TransferError(f"{self.where}: {exc}") from exc
-        if self.verify is not False:
+        if self.context is not None:
             bases = ["https://" + b[len("http://"):] if b.startswith("http://") else b for b in bases]
+        self.headers = {"authorization": f"Bearer {transport._token}"} if transport._token is not None else {}
         self.sources = [_Source(b, f"{b} (step {step})") for b in bases]
         self.lock = threading.Lock()
         self.header_raw = b""
 
     # ---------------------------------------------------------------- the whole receive
 
-    def run(self, into: Any, in_place: bool, mesh: Any) -> Any:
-        import httpx
+    def connect(self, src: _Source) -> Connection:
+        """A new (not yet opened) connection to ``src`` with this receive's credentials."""
+        return Connection(src.base, self.context, self.headers)
 
+    def run(self, into: Any, in_place: bool, mesh: Any) -> Any:
         t = self.t
-        headers = {"authorization": f"Bearer {t._token}"} if t._token is not None else {}
         n = t._num_chunks * len(self.sources)
-        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
         first = self.sources[0]
-        with httpx.Client(headers=headers, limits=limits, timeout=_timeout(self.deadline), verify=self.verify) as client:
+        with self.connect(first) as conn:
             try:
-                self.header_raw = self._await_header(client, first, self.deadline)
+                self.header_raw = self._await_header(conn, first, self.deadline)
                 header = wire.read_header(io.BytesIO(self.header_raw).readinto, t._max_header, wire.MIN_NETWORK_BLOCK,
                                           t._max_state)
-            except httpx.TimeoutException as exc:
+            except TransferError:
+                raise
+            except TimeoutError as exc:
                 raise TransferTimeout(f"{self.where}: no header within the timeout ({exc})") from exc
-            except httpx.HTTPError as exc:
+            except NET_ERRORS as exc:
                 raise TransferError(f"{self.where}: {type(exc).__name__}: {exc}") from exc
             except wire.WireError as exc:
                 raise TransferError(f"{self.where}: bad header: {exc}") from exc
@@ -133,31 +128,31 @@ class Receive:
                 sink = wire.Sink(header, into=into, in_place=in_place, mesh=mesh)
             except wire.WireError as exc:
                 raise TransferError(f"{self.where}: {exc}") from exc
-            max_chunk = t._max_chunk
-            if self.verify is not False:
-                # Over TLS every range is a new connection and a full handshake (the fast
-                # path closes it after the body): no more ranges than connections.
-                max_chunk = max(max_chunk, -(-header.data_bytes // n))
             try:
-                self._fetch_all(client, sink, header.split(n, max_chunk))
+                self._fetch_all(sink, header.split(n, t._max_chunk))
             finally:
                 sink.close()
-            self._say_done(client)
+            self._say_done(conn)
         try:
             return sink.finish()
         except wire.WireError as exc:  # pragma: no cover - every range was verified
             raise TransferError(f"{self.where}: {exc}") from exc
 
-    def _say_done(self, client: httpx.Client) -> None:
-        """Tell every live source we have everything (best effort, 2 s at most)."""
-        import httpx
+    def _say_done(self, first: Connection) -> None:
+        """Tell every live source we have everything (best effort, 2 s at most). ``first``:
+        the connection to the first source (its header's)."""
+        deadline = time.monotonic() + min(2.0, max(0.1, self.deadline - time.monotonic()))
 
         def done(src: _Source) -> None:
+            conn = first if src is self.sources[0] else self.connect(src)
             try:
-                client.get(f"{src.base}/checkpoint/{self.step}/done", timeout=min(2.0, max(0.1, self.deadline
-                                                                                            - time.monotonic())))
-            except httpx.HTTPError as exc:
+                reply = conn.get(f"/checkpoint/{self.step}/done", deadline)
+                error_text(conn, reply, deadline)  # a few bytes: read, so the connection could be reused
+            except NET_ERRORS as exc:
                 logger.debug("%s: could not say done: %s", src.where, exc)
+            finally:
+                if conn is not first:
+                    conn.close()
 
         # Every source still up, used or not: one that was asked for its header counts
         # the receive as started and would otherwise keep (and copy) its state.
@@ -170,7 +165,7 @@ class Receive:
 
     # ---------------------------------------------------------------- headers
 
-    def _await_header(self, client: httpx.Client, src: _Source, deadline: float,
+    def _await_header(self, conn: Connection, src: _Source, deadline: float,
                       stop: threading.Event | None = None) -> bytes:
         """The header, asking again while the source has not published this step yet
         (until ``stop``: the receive is complete without this source)."""
@@ -181,7 +176,7 @@ class Receive:
             if stop is not None and stop.is_set():
                 raise TransferError(f"{src.where}: not needed any more")
             try:
-                return self._get_header(client, src, deadline)
+                return self._get_header(conn, src, deadline)
             except SourceRefused as exc:
                 if exc.status != 404 or time.monotonic() + pause >= give_up:
                     if exc.status == 404 and pw != 0:
@@ -191,24 +186,21 @@ class Receive:
             time.sleep(pause)  # the source is remote: there is no event to wait on
             pause = min(pause * 2, 0.02)  # a restarted replica waits on this: keep the lag small
 
-    def _get_header(self, client: httpx.Client, src: _Source, deadline: float) -> bytes:
+    def _get_header(self, conn: Connection, src: _Source, deadline: float) -> bytes:
         """The header bytes, refusing to buffer more than the header size limit."""
         limit = self.t._max_header + wire.PREFIX_BYTES
-        with client.stream("GET", f"{src.base}/checkpoint/{self.step}/header", timeout=_timeout(deadline)) as r:
-            if r.status_code != 200:
-                _check_status(r, src.where)
-            buf = bytearray()
-            for chunk in r.iter_bytes():
-                buf += chunk
-                if len(buf) > limit:
-                    raise TransferError(f"{src.where}: header larger than the limit of {self.t._max_header} bytes")
-            return bytes(buf)
+        reply = conn.get(f"/checkpoint/{self.step}/header", deadline)
+        if reply.status != 200:
+            raise _refused(conn, reply, src.where, deadline)
+        try:
+            return read_body(conn, reply, limit, deadline, f"{src.where}: header")
+        except ValueError:
+            raise TransferError(f"{src.where}: header larger than the limit of {self.t._max_header} bytes") from None
 
-    def _join(self, client: httpx.Client, src: _Source, cv: threading.Condition, stop: threading.Event) -> bool:
+    def _join(self, conn: Connection, src: _Source, cv: threading.Condition, stop: threading.Event) -> bool:
         """Whether ``src`` may serve ranges: its header must be the first source's. One of
-        the source's workers asks; the others wait for its answer."""
-        import httpx
-
+        the source's workers asks (over its own connection ``conn``); the others wait for
+        its answer."""
         with cv:
             while src.joining and not (src.ready or src.dead is not None or stop.is_set()):
                 cv.wait(0.05)
@@ -216,9 +208,9 @@ class Receive:
                 return src.dead is None and src.ready
             src.joining = True
         try:
-            raw = self._await_header(client, src, min(self.deadline, time.monotonic() + SECONDARY_PUBLISH_WAIT_S),
+            raw = self._await_header(conn, src, min(self.deadline, time.monotonic() + SECONDARY_PUBLISH_WAIT_S),
                                      stop)
-        except (httpx.HTTPError, TransferError) as exc:
+        except (OSError, HTTPException, TransferError) as exc:
             if not stop.is_set():
                 self._drop(src, f"no header: {exc}")
             with cv:
@@ -251,9 +243,7 @@ class Receive:
 
     # ---------------------------------------------------------------- data
 
-    def _fetch_all(self, client: httpx.Client, sink: wire.Sink, ranges: list[tuple[int, int]]) -> None:
-        import httpx
-
+    def _fetch_all(self, sink: wire.Sink, ranges: list[tuple[int, int]]) -> None:
         t = self.t
         todo: collections.deque[tuple[int, int]] = collections.deque(ranges)
         left = [len(ranges)]
@@ -263,7 +253,11 @@ class Receive:
         errors: list[BaseException] = []
 
         def worker(src: _Source) -> None:
-            if src is not self.sources[0] and not self._join(client, src, cv, stop):
+            with self.connect(src) as conn:  # this worker's, for all its ranges
+                work(src, conn)
+
+        def work(src: _Source, conn: Connection) -> None:
+            if src is not self.sources[0] and not self._join(conn, src, cv, stop):
                 with cv:
                     cv.notify_all()
                 return
@@ -277,12 +271,12 @@ class Receive:
                     writing[0] += 1
                 try:
                     try:
-                        self._fetch_range(client, src, sink, rng, stop)
+                        self._fetch_range(conn, src, sink, rng, stop)
                     finally:
                         with cv:
                             writing[0] -= 1
                             cv.notify_all()
-                except (httpx.HTTPError, wire.WireError, TransferError) as exc:
+                except (OSError, HTTPException, wire.WireError, TransferError) as exc:
                     with cv:
                         todo.appendleft(rng)
                         src.failures += 1
@@ -324,7 +318,7 @@ class Receive:
                 # A source's own refusal says why; a dropped stream is only its symptom.
                 refusals = [e for e in errors if isinstance(e, SourceRefused)]
                 exc = refusals[-1] if refusals else errors[-1] if errors else None
-                if isinstance(exc, httpx.TimeoutException) or (exc is None and time.monotonic() >= self.deadline):
+                if isinstance(exc, TimeoutError) or (exc is None and time.monotonic() >= self.deadline):
                     raise TransferTimeout(f"{self.where}: not complete within the timeout"
                                           + (f": {exc}" if exc else "")) from exc
                 if isinstance(exc, TransferError) and len(self.sources) == 1:
@@ -349,63 +343,41 @@ class Receive:
         if len(self.sources) > 1:
             logger.info("%s: ranges per source %s", self.where, served)
 
-    def _fetch_range(self, client: httpx.Client, src: _Source, sink: wire.Sink, rng: tuple[int, int],
+    def _fetch_range(self, conn: Connection, src: _Source, sink: wire.Sink, rng: tuple[int, int],
                      stop: threading.Event) -> None:
-        import httpx
-
+        """Range ``rng`` from ``src`` over ``conn``, read straight into the sink's tensors."""
         start, end = rng
         deadline = self.deadline
-        url = f"{src.base}/checkpoint/{self.step}/data"
-        with client.stream("GET", url, params={"start": start, "end": end}, timeout=_timeout(deadline)) as r:
-            if r.status_code != 200:
-                _check_status(r, f"{src.where}: range [{start}, {end})")
-            length = int(r.headers.get("content-length", -1))
-            if length != sink.header.wire_bytes(start, end):
-                raise wire.WireError(f"range [{start}, {end}): the source announced {length} bytes")
-            w = sink.writer(start, end)
-            sock = _plain_socket(r)
-            chunks = r.iter_raw()
-            if sock is None:
-                for chunk in chunks:
-                    if stop.is_set():
-                        return
-                    w.write(chunk)
-                w.close()
-                return
-            # Fast path: take what httpx already buffered, then recv_into the tensors
-            # directly (no per-64 KiB Python parsing, no intermediate bytes). The
-            # connection's HTTP state no longer matches its socket, so httpx closes it
-            # instead of reusing it (it never saw the end of this body).
-            first = next(chunks, b"")
-            w.write(first)
-            left = length - len(first)
-            timeout_set = float("inf")
+        what = f"{src.where}: range [{start}, {end})"
+        reply = conn.get(f"/checkpoint/{self.step}/data", deadline, {"start": start, "end": end})
+        if reply.status != 200:
+            raise _refused(conn, reply, what, deadline)
+        if reply.length != sink.header.wire_bytes(start, end):
+            conn.close()
+            raise wire.WireError(f"range [{start}, {end}): the source announced {reply.length} bytes")
+        w = sink.writer(start, end)
 
-            def readinto(mv: memoryview) -> int:
-                nonlocal left, timeout_set
-                if stop.is_set() or left <= 0:
-                    return 0
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise httpx.ReadTimeout(f"range [{start}, {end}) not complete by the deadline")
-                if timeout_set - remaining > 0.25:
-                    # Not per read: over TLS a read is one 16 KiB record, and each
-                    # settimeout costs syscalls. A read may overrun the deadline by 0.25 s.
-                    sock.settimeout(remaining)
-                    timeout_set = remaining
-                try:
-                    n = sock.recv_into(mv, min(mv.nbytes, left))
-                except TimeoutError as exc:
-                    raise httpx.ReadTimeout(f"range [{start}, {end}): {exc}") from exc
-                except OSError as exc:
-                    raise httpx.ReadError(f"range [{start}, {end}): {exc}") from exc
-                left -= n
-                return n
-
-            w.pull(readinto)
+        def readinto(mv: memoryview) -> int:
             if stop.is_set():
-                return
-            w.close()
+                return 0
+            conn.set_deadline(deadline, what)  # TimeoutError once past it
+            return reply.readinto(mv)  # at most the announced length; 0 at its end
+
+        try:
+            w.pull(readinto)
+        except BaseException:
+            conn.close()
+            raise
+        if stop.is_set():
+            conn.close()
+            return
+        w.close()
+        conn.release(reply)
+
+
+def _refused(conn: Connection, reply: HTTPResponse, where: str, deadline: float) -> SourceRefused:
+    """The error for a reply that is not 200, quoting the start of its body."""
+    return SourceRefused(f"{where}: HTTP {reply.status}: {error_text(conn, reply, deadline)}", reply.status)
 
 
 __all__ = ["MAX_SOURCES", "Receive", "parse_sources"]

@@ -1,19 +1,8 @@
-"""The receiving side's HTTP helpers and errors, apart from ``http.py`` (the transport).
-
-httpx is imported only by the helpers that need it at run time (a receive), never at
-import: constructing a ``Manager`` (which serves checkpoints but fetches none) must not pay
-for it (~25-90 ms cold)."""
+"""The receiving side's errors and limits, apart from ``http.py`` (the transport)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import httpx
 
 
 class TransferError(RuntimeError):
@@ -22,20 +11,6 @@ class TransferError(RuntimeError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """The checkpoint did not arrive within the timeout."""
-
-
-def _plain_socket(r: httpx.Response) -> socket.socket | None:
-    """The socket under a response (httpcore's documented ``network_stream`` extension),
-    or None where that is unavailable. Over TLS it is the ``ssl.SSLSocket``: its
-    ``recv_into`` decrypts straight into the destination, as fast as OpenSSL allows."""
-    ns = r.extensions.get("network_stream")
-    if ns is None or r.url.scheme not in ("http", "https"):
-        return None
-    try:
-        sock = ns.get_extra_info("socket")
-    except Exception:  # pragma: no cover - other httpcore backends
-        return None
-    return sock if isinstance(sock, socket.socket) else None
 
 
 class SourceRefused(TransferError):
@@ -47,31 +22,6 @@ class SourceRefused(TransferError):
 
 
 _Fatal = SourceRefused
-
-
-def _check_status(r: httpx.Response, where: str) -> None:
-    """Raise :class:`SourceRefused` for a non-200 streamed response, quoting at most the
-    first 4 KiB of its body (an error body is never buffered whole)."""
-    if r.status_code == 200:
-        return
-    import httpx
-
-    body = bytearray()
-    with contextlib.suppress(httpx.HTTPError):
-        for chunk in r.iter_raw():
-            body += chunk
-            if len(body) >= 4096:
-                break
-    text = body[:500].decode("utf-8", "replace").strip()
-    raise SourceRefused(f"{where}: HTTP {r.status_code}: {text}", r.status_code)
-
-
-def _timeout(deadline: float) -> httpx.Timeout:
-    """Per-call timeouts that never run past the overall deadline."""
-    import httpx
-
-    left = max(0.001, deadline - time.monotonic())
-    return httpx.Timeout(left, connect=min(left, 10.0))
 
 
 MAX_STATE_ENV = "RALLYPOINT_MAX_STATE_BYTES"

@@ -22,9 +22,9 @@ and withdrawn (delivered, replaced, expired, or changed while served) gets 410 s
 why (it will not come back); a wrong or missing bearer token gets 401 before anything
 else; a parameter that is not an integer gets 422.
 
-Receiver (:mod:`._http_recv`): httpx, imported at the first receive (not at import: a
-Manager constructs a transport to serve, and most never fetch; httpx costs a cold start
-tens of ms). It reads the header, allocates the destination tensors (wire.Sink: fresh
+Receiver (:mod:`._http_recv`, over :mod:`._http_client`: keep-alive connections on the
+standard library's ``http.client``, nothing more to import at a process's first heal).
+It reads the header, allocates the destination tensors (wire.Sink: fresh
 ones, their pages mapped by a thread ahead of the bytes (:mod:`._prefault`), or the
 caller's own with ``into=``), and fetches the data in ranges over
 ``num_chunks`` connections per source, straight into the tensors with ``recv_into``,
