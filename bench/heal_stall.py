@@ -383,7 +383,7 @@ def run_receiver(cfg: dict[str, Any]) -> None:
     else:
         from rallypoint.transports.http import HTTPTransport
 
-        tf = HTTPTransport(timeout, 4, bind="127.0.0.1:0")
+        tf = HTTPTransport(timeout, bind="127.0.0.1:0")
         fetch = lambda addr, step: tf.recv_checkpoint(src_rank=0, metadata=addr, step=step, timeout=timeout)  # noqa: E731
     _out({"ready": True})
     sd: Any = None

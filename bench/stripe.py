@@ -90,7 +90,7 @@ def run_receiver(mb: int) -> None:
     from torchft.checkpointing.http_transport import HTTPTransport as TorchftHTTP
 
     template = {k: torch.zeros_like(v) for k, v in make_state(mb).items()}
-    rp = HTTPTransport(TIMEOUT, 4, bind="127.0.0.1:0")
+    rp = HTTPTransport(TIMEOUT, bind="127.0.0.1:0")
     tf = TorchftHTTP(TIMEOUT, num_chunks=0)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

@@ -227,7 +227,7 @@ def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = Non
         if not (tls_dir and addr.startswith("https://")):
             raise SystemExit(f"{contender}: the sender does not serve TLS ({addr!r}) or no --tls-dir")
         job = _util.TlsJob.from_dir(tls_dir)
-        t = HTTPTransport(TIMEOUT, 4, bind="127.0.0.1:0", token=job.token, tls=job.config(mutual=True))
+        t = HTTPTransport(TIMEOUT, bind="127.0.0.1:0", token=job.token, tls=job.config(mutual=True))
         # Which socket the receiver's connections read the bodies from (an ssl.SSLSocket
         # over TLS). Counted, not changed.
         fast_path = collections.Counter()
@@ -250,14 +250,14 @@ def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = Non
     elif contender == "rallypoint":
         from rallypoint.transports.http import HTTPTransport
 
-        t = HTTPTransport(TIMEOUT, 4, bind="127.0.0.1:0")
+        t = HTTPTransport(TIMEOUT, bind="127.0.0.1:0")
         fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT)  # noqa: E731
     elif contender == "rp_inplace":
         # Healing's real situation: the joiner already holds a model of the same shapes;
         # receive straight into it (its memory is part of the baseline RSS).
         from rallypoint.transports.http import HTTPTransport
 
-        t = HTTPTransport(TIMEOUT, 4, bind="127.0.0.1:0")
+        t = HTTPTransport(TIMEOUT, bind="127.0.0.1:0")
         template = zeros_state(case)
         fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT, into=template, in_place=True)  # noqa: E731
     elif contender.startswith("rp_pg"):

@@ -564,3 +564,27 @@ def test_shutdown_without_waiting_ends_cleanly(caplog: pytest.LogCaptureFixture)
     assert t._sock.fileno() == -1
 
 
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [(1, 1), (2, 2), (3, 3), (4, 4), (16, 4), (0, 1)])
+def test_default_connections_are_four_but_no_more_than_the_cpus(cpus: int, expected: int) -> None:
+    from rallypoint.transports._http_util import default_connections
+
+    assert default_connections(cpus) == expected
+
+
+def test_the_default_receiver_uses_the_default_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, ``num_chunks`` follows this process's CPUs; given (torchft's positional
+    ``HTTPTransport(timeout, num_chunks)`` too), it is what the caller said."""
+    from rallypoint.transports import _http_util
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    t = HTTPTransport(TEN, bind="127.0.0.1:0")
+    u = HTTPTransport(TEN, 4, bind="127.0.0.1:0")
+    z = HTTPTransport(TEN, 0, bind="127.0.0.1:0")
+    try:
+        assert _http_util.usable_cpus() == 2
+        assert (t._num_chunks, u._num_chunks, z._num_chunks) == (2, 4, 1)
+    finally:
+        for x in (t, u, z):
+            x.shutdown()

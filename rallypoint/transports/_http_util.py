@@ -44,3 +44,28 @@ def default_max_state_bytes() -> int:
         return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         return 1 << 40
+
+
+#: The most connections per source a receiver opens by default.
+MAX_DEFAULT_CONNECTIONS = 4
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def default_connections(cpus: int) -> int:
+    """Connections per source when the caller does not choose (``num_chunks=None``):
+    ``MAX_DEFAULT_CONNECTIONS``, but no more than ``cpus``.
+
+    Why: each connection's bytes are copied into the tensors by the thread that reads
+    it, so connections beyond the cores add contention, not copying. On a 2-core host
+    (1 GB in place, fresh process per fetch, 6 alternating runs each) 2 connections took
+    0.36-0.45 s and 0.36-0.47 s of CPU against 0.45-0.52 s and 0.45-0.53 s with 4; into
+    fresh tensors the two were equal within noise."""
+    return max(1, min(MAX_DEFAULT_CONNECTIONS, cpus))
+

@@ -68,7 +68,9 @@ from rallypoint.transports._http_util import (  # noqa: F401 - re-exported
     SourceRefused,
     TransferError,
     TransferTimeout,
+    default_connections,
     default_max_state_bytes,
+    usable_cpus,
 )
 from rallypoint.transports.base import CheckpointTransport
 
@@ -84,7 +86,9 @@ class HTTPTransport(CheckpointTransport[Any]):
     Args:
         timeout: default for network calls, for ``disallow_checkpoint``'s wait (copy),
             and for how long a frozen state stays served (live).
-        num_chunks: parallel connections per receive (0 or 1: one connection).
+        num_chunks: parallel connections per source of a receive (0 or 1: one
+            connection; default ``None``: 4, or fewer on a host with fewer CPUs, see
+            ``_http_util.default_connections``).
         bind: ``host:port`` to listen on (port 0: any free port).
         advertise_host: host name put in :meth:`metadata` (default: the bound address, or
             this machine's host name for a wildcard bind).
@@ -128,7 +132,7 @@ class HTTPTransport(CheckpointTransport[Any]):
     def __init__(
         self,
         timeout: timedelta = timedelta(seconds=60),
-        num_chunks: int = 4,
+        num_chunks: int | None = None,
         *,
         bind: str = "0.0.0.0:0",
         advertise_host: str | None = None,
@@ -164,7 +168,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         #: frozen before the optimizer changes them): the Manager passes its own state.
         self.copies_state = True
         self._publish_wait = None if publish_wait is None else publish_wait.total_seconds()
-        self._num_chunks = max(1, int(num_chunks))
+        self._num_chunks = default_connections(usable_cpus()) if num_chunks is None else max(1, int(num_chunks))
         self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN (the job's credential)
         self._tls = tls or tls_config()  # the argument, else RALLYPOINT_TLS_*
         self._max_chunk = max_chunk_bytes
