@@ -123,10 +123,11 @@ class Connection:
         if self._conn.sock is None:  # new, or closed after a reply that said "close"
             self._conn.timeout = min(left, CONNECT_TIMEOUT_S)
             self._conn.connect()  # the handshake, over TLS, within the connect timeout
-            self._timeout = float("inf")
             left = time_left(deadline, f"GET {self.base}")
+        # Each request waits until its own deadline, which may be later than the last
+        # one's (a striped source's header has a shorter one than its ranges).
         sock = self._conn.sock
-        if isinstance(sock, socket.socket) and self._timeout != left:
+        if isinstance(sock, socket.socket):
             sock.settimeout(left)
             self._timeout = left
         return self._conn

@@ -21,9 +21,6 @@ class SourceRefused(TransferError):
         self.status = status
 
 
-_Fatal = SourceRefused
-
-
 MAX_STATE_ENV = "RALLYPOINT_MAX_STATE_BYTES"
 
 
