@@ -175,7 +175,8 @@ class SocketServe:
         threading.Thread(target=self._accept, name="socket-accept", daemon=True).start()
 
     def metadata(self) -> str:
-        return str(self._lsock.getsockname()[1])
+        _, port = self._lsock.getsockname()
+        return str(port)
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state: Any, timeout: timedelta) -> None:
         from rallypoint.transports._tensors import byte_view

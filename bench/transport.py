@@ -119,6 +119,12 @@ TIMEOUT = timedelta(seconds=300)
 # --------------------------------------------------------------------------- sender
 
 
+def _port(sock: socket.socket) -> int:
+    """The port the OS picked for a socket bound to port 0 (it stays bound: no race)."""
+    _, port = sock.getsockname()
+    return int(port)
+
+
 def run_sender(case: str, tls_dir: str | None = None, pg_contenders: tuple[str, ...] = PG_CONTENDERS) -> None:
     import torch
     from torchft.checkpointing.http_transport import HTTPTransport as TorchftHTTP
@@ -190,10 +196,10 @@ def run_sender(case: str, tls_dir: str | None = None, pg_contenders: tuple[str, 
                 "rallypoint": rp.metadata(),
                 "torchft0": tf0.metadata(),
                 "torchft4": tf4.metadata(),
-                **{c: lsock.getsockname()[1] for c in SOCKETS},
+                **{c: _port(lsock) for c in SOCKETS},
                 "torch": torch.__version__,
                 **({TLS_CONTENDER: rp_tls.metadata()} if rp_tls is not None else {}),
-                **({TLS_SOCKET: tls_lsock.getsockname()[1]} if tls_lsock is not None else {}),
+                **({TLS_SOCKET: _port(tls_lsock)} if tls_lsock is not None else {}),
             }
         ),
         flush=True,

@@ -61,7 +61,8 @@ def reserved_port(listen: bool = False) -> Iterator[int]:
         s.bind(("127.0.0.1", 0))
         if listen:
             s.listen()
-        yield s.getsockname()[1]
+        _, port = s.getsockname()
+        yield port
     finally:
         s.close()
 

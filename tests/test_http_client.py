@@ -70,7 +70,8 @@ def server() -> Iterator[Callable[[Script], tuple[str, list[bytes], list[int]]]]
         th = threading.Thread(target=loop, daemon=True)
         th.start()
         threads.append(th)
-        return f"http://127.0.0.1:{ls.getsockname()[1]}", requests, accepted
+        _, port = ls.getsockname()  # the held, listening socket's port-0 pick
+        return f"http://127.0.0.1:{port}", requests, accepted
 
     yield start
     stop.set()

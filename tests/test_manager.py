@@ -387,7 +387,7 @@ class _Cutter:
         self.target = target
         self.down = threading.Event()
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
+        _, self.port = self.sock.getsockname()
         self.conns: list[Any] = []
         self.lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
