@@ -87,6 +87,7 @@ import struct
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -279,6 +280,13 @@ def checksums(tensors: list[Any]) -> list[int]:
     return [int(t.detach().view(torch.int32).sum(dtype=torch.int64)) for t in tensors]
 
 
+def _where(e: BaseException) -> str:
+    """Where an error was raised (its innermost frame), so a failing transport call is
+    reported with its place, not only its message."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+
+
 def run_sender(cfg: dict[str, Any]) -> None:
     _util.exit_with_parent()
     pins = _cpus(cfg["layout"])
@@ -319,7 +327,7 @@ def run_sender(cfg: dict[str, Any]) -> None:
                     state = {"params": {str(i): p.detach() for i, p in enumerate(params)}, "optim": opt.state_dict()}
                     transport.send_checkpoint([1], step_no, state, timeout)
                 except BaseException as e:  # noqa: BLE001 - reported
-                    box["err"] = f"send_checkpoint: {type(e).__name__}: {e}"
+                    box["err"] = f"send_checkpoint: {type(e).__name__}: {e}{_where(e)}"
                 box["send_s"] = time.perf_counter() - q0
 
             quorum = threading.Thread(target=quorum_thread, name="quorum", daemon=True)
@@ -334,7 +342,7 @@ def run_sender(cfg: dict[str, Any]) -> None:
         try:
             transport.disallow_checkpoint()
         except Exception as e:  # noqa: BLE001 - reported (a torchft lock timeout, say)
-            box["err"] = f"disallow_checkpoint: {type(e).__name__}: {e}"
+            box["err"] = f"disallow_checkpoint: {type(e).__name__}: {e}{_where(e)}"
         t3 = time.perf_counter()
         opt.step()
         t4 = time.perf_counter()

@@ -53,9 +53,14 @@ def _state(n: int = 4) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
     return sd, copy_mod.deepcopy(sd), enc
 
 
-def _weigh(pause: float, calls: list[tuple[float, ...]]) -> Any:
+def _weigh(pause: float, calls: list[tuple[float, ...]], weighed: threading.Event | None = None) -> Any:
+    """A stand-in for ``wait_for_delivery`` that records its arguments, answers
+    ``pause`` and sets ``weighed``: a receiver that reads on only then cannot finish
+    before the freeze has weighed (it then waits on the lock the freeze's wait frees)."""
     def decide(*args: float) -> float:
         calls.append(args)
+        if weighed is not None:
+            weighed.set()
         return pause
     return decide
 
@@ -67,24 +72,16 @@ def test_a_freeze_waits_for_a_receiver_about_to_finish_instead_of_copying(monkey
     one tensor, not two. The stream the receiver got is the state as served."""
     monkeypatch.setattr(_live, "MEASURE_S", 0.0)  # weigh after the first copy, however quick
     calls: list[tuple[float, ...]] = []
-    monkeypatch.setattr(_live, "wait_for_delivery", _weigh(30.0, calls))
+    weighed = threading.Event()
+    monkeypatch.setattr(_live, "wait_for_delivery", _weigh(30.0, calls, weighed))
     sd, want, enc = _state()
     got = bytearray(enc.header)
     stream = enc.iter_data()
     while not enc.delivered_tensor(1):  # tensors 0 and 1 (tensor 2's first bytes are out)
         got.extend(next(stream))
-    copied_last = threading.Event()
-    real_copy = enc._copy
-
-    def copy(ti: int) -> Any:
-        out = real_copy(ti)
-        copied_last.set()
-        return out
-
-    enc._copy = copy  # type: ignore[method-assign]
 
     def receiver() -> None:
-        assert copied_last.wait(10)
+        assert weighed.wait(10)  # the freeze copied the last tensor and chose to wait
         for piece in stream:  # the rest: tensor 2 from live memory, tensor 3 from its copy
             got.extend(piece)
 
@@ -100,6 +97,51 @@ def test_a_freeze_waits_for_a_receiver_about_to_finish_instead_of_copying(monkey
     assert left_send == 2 * MiB and left_copy == MiB and rate_before > 0 and copy_rate > 0
     for t in sd.values():
         t.add_(1)  # the optimizer step, after the freeze
+    assert_same(want, wire.decode(bytes(got)))
+
+
+def test_a_receiver_finishing_while_the_freeze_waits_frees_the_state_under_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transport frees a live state the moment its last receiver has every byte
+    (``on_complete``, on that receiver's serving thread). When that happens while the
+    step's freeze waits for the receivers, the freeze must find nothing left to do and
+    return, not fail on the emptied state: the step's ``disallow_checkpoint`` raised
+    IndexError here (seen in ``bench/heal_stall.py --compute wait``)."""
+    monkeypatch.setattr(_live, "MEASURE_S", 0.0)
+    weighed = threading.Event()
+    monkeypatch.setattr(_live, "wait_for_delivery", _weigh(30.0, [], weighed))
+    sd = {f"t{i}": torch.full((MiB // 4,), float(i)) for i in range(4)}
+    want = copy_mod.deepcopy(sd)
+    released = threading.Event()
+    enc: LiveEncoded
+
+    def free_on_delivery() -> None:  # what HTTPTransport's on_complete does, once no stream reads
+        enc.release()
+        released.set()
+
+    enc = LiveEncoded(wire.encode(sd, block=MiB, copy_below=1, sums="inline"), receivers=1,
+                      on_complete=free_on_delivery)
+    got = bytearray(enc.header)
+    stream = enc.iter_data()
+    while not enc.delivered_tensor(1):
+        got.extend(next(stream))
+
+    def receiver() -> None:
+        assert weighed.wait(10)
+        for piece in stream:
+            got.extend(piece)
+
+    th = threading.Thread(target=receiver)
+    th.start()
+    t0 = time.monotonic()
+    copied = enc.freeze(30.0)  # copies tensor 3, waits; the receiver takes 2 and 3 and frees the state
+    th.join(10)
+    assert not th.is_alive()
+    assert copied == MiB  # tensor 3 only: the state was freed before tensor 2's turn
+    assert released.is_set() and enc.views == []
+    assert time.monotonic() - t0 < 10.0  # woken by the delivery, not the 30 s bound
+    for t in sd.values():
+        t.add_(1)
     assert_same(want, wire.decode(bytes(got)))
 
 

@@ -262,13 +262,18 @@ class LiveEncoded(Encoded):
     # ------------------------------------------------------------ freezing (the caller's thread)
 
     def _copy(self, ti: int) -> Any:
-        """A private copy of live tensor ``ti``'s bytes, carved from a slab (see :data:`SLAB_BYTES`).
+        """A private copy of live tensor ``ti``'s bytes, carved from a slab (see
+        :data:`SLAB_BYTES`); None when the state was released meanwhile (its last receiver
+        finished on a serving thread: nothing is left to copy).
 
         Why slabs: the freeze runs on the training thread, and copying into fresh memory
         is mostly page faults on a 4 KiB-page heap (one per page; ``clone`` of 3 MiB
         tensors mmaps each anew). A slab advised for transparent huge pages faults once
         per 2 MiB. The copy is a flat ``uint8`` tensor: only its bytes are served."""
-        src = self._tensors[ti]
+        with self._cv:
+            if not self.views:
+                return None
+            src = self._tensors[ti]
         n = src.numel() * src.element_size()
         with self._slab_lock:
             if self._slab is None or self._slab_used + n > self._slab.numel():
@@ -310,6 +315,8 @@ class LiveEncoded(Encoded):
                 if not self._live[i] or self._sent[i] >= self._need[i]:
                     continue  # already delivered to everyone: retired by the freeze, never copied
             clone = self._copy(i)  # serving goes on from the live memory meanwhile
+            if clone is None:
+                return
             with self._cv:
                 if not self.views or self._thawed:
                     return  # the freeze gave up waiting for this copy: the caller may have changed it
@@ -376,6 +383,12 @@ class LiveEncoded(Encoded):
         copy_s, waited = 0.0, False
         for i in reversed(todo):
             with self._cv:
+                if not self.views:
+                    # Released meanwhile: every receiver finished (the completion ran on a
+                    # serving thread while this freeze waited or copied). Nothing is read
+                    # from the caller's memory any more; nothing is left to copy.
+                    break
+                size = self.views[i].nbytes
                 delivered = self._delivered(i, keep)
                 if not delivered and not waited and copy_s > 0 and copy_s >= MEASURE_S and self.spoiled is None:
                     waited = self._wait_instead(left_copy, copied / copy_s, rate_before, began, sent0, wait_s)
@@ -385,12 +398,15 @@ class LiveEncoded(Encoded):
             if not delivered and self.spoiled is None:
                 t0 = time.perf_counter()
                 clone = self._copy(i)  # reads go on from the live memory meanwhile
+                if clone is None:
+                    break
                 copy_s += time.perf_counter() - t0
                 with self._cv:
-                    self._swap_in(i, clone)
+                    if self.views:  # not released while copying
+                        self._swap_in(i, clone)
                 copied += clone.numel() * clone.element_size()
             if i in undelivered:
-                left_copy -= self.views[i].nbytes
+                left_copy -= size
         with self._cv:  # reads of live memory still being summed, copied ones included
             if not self._cv.wait_for(lambda: not any(self._summing), timeout=wait_s):
                 busy = [self._key(i) for i, k in enumerate(self._summing) if k]
