@@ -270,52 +270,60 @@ def w_allreduce_loop(numel: int, max_iters: int, key: str = "pg") -> dict[str, A
     return {"iters": it, "raised": None, "wait_s": 0.0, "errored": w_errored(key), "is_pg_error": False}
 
 
-def resource_counts() -> dict[str, Any]:
-    """What must not grow: fds, Python threads, native threads, child processes, shm."""
+def resources() -> dict[str, set[str]]:
+    """What must not be left behind, by identity (not by count, so that something an
+    earlier test left, which goes away during a measurement, cannot hide or fake a
+    leak): open fds (number and target), Python threads, native threads, child
+    processes, this process's shm segments, mapped memfd segments."""
     import multiprocessing as _mp
 
     shm = sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []
-    children = []
+    children: list[str] = []
     try:
         with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
             children = f.read().split()
     except OSError:
         pass
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:  # closed meanwhile (the listing's own fd, say)
+            pass
     return {
-        "fds": len(os.listdir("/proc/self/fd")),
-        "py_threads": len(threading.enumerate()),
-        "native_threads": len(os.listdir("/proc/self/task")),
-        "children": len(children),
-        "mp_children": len(_mp.active_children()),
-        "shm_mine": len([s for s in shm if str(os.getpid()) in s]),
+        "fds": fds,
+        "py_threads": {f"{th.ident}:{th.name}" for th in threading.enumerate()},
+        "native_threads": set(os.listdir("/proc/self/task")),
+        "children": set(children),
+        "mp_children": {str(c.pid) for c in _mp.active_children()},
+        "shm_mine": {s for s in shm if str(os.getpid()) in s},
         "memfd_maps": _memfd_maps(),
     }
 
 
-def _memfd_maps() -> int:
-    """Distinct shared-memory (memfd) segments mapped by this process."""
+def _memfd_maps() -> set[str]:
+    """Distinct shared-memory (memfd) segments mapped by this process, by inode."""
     names = set()
     with open("/proc/self/maps") as f:
         for line in f:
             if "/memfd:" in line or "(deleted)" in line and "/dev/shm" in line:
                 names.add(line.split()[4])  # inode
-    return len(names)
+    return names
 
 
 def w_reconfigure_loop(kind: str, store_addr: str, rank: int, world: int, times: int, q0: int, timeout_s: float = 10.0) -> dict[str, Any]:
     """Configure + one checked allreduce, ``times`` times, on one group instance.
 
-    Counted with no group alive on both sides (after a warm-up group was shut down,
-    and after the looped group was shut down), so anything a configure left behind
-    shows up, while what a live group holds does not.
+    Taken with no group alive on both sides (after a warm-up group was shut down, and
+    after the looped group was shut down), so anything a configure left behind shows
+    up, while what a live group holds does not. ``leaked``: what exists after and did
+    not before, per kind (empty when nothing leaked); ``gone``: what existed before and
+    not after (an earlier test's leftovers that finished meanwhile: not a leak).
     """
-    import gc
-
     w_configure(kind, store_addr, rank, world, q0, timeout_s)
     w_allreduce([1.0])
     w_shutdown()
-    before = _settled_counts(None)
-    before_fds = _fd_map()
+    before = _settled(lambda now, last: now == last)
     t0 = time.monotonic()
     per = []
     for i in range(times):
@@ -326,39 +334,28 @@ def w_reconfigure_loop(kind: str, store_addr: str, rank: int, world: int, times:
         assert got == [float(world * (world + 1) / 2)], got
     elapsed = time.monotonic() - t0
     w_shutdown()
-    gc.collect()
-    after = _settled_counts(before)
-    return {"before": before, "after": after, "elapsed": elapsed, "per": per, "fd_diff": _fd_diff(before_fds, _fd_map())}
+    # threads of a dropped backend need a moment to exit: wait (5 s at most) for nothing new
+    after = _settled(lambda now, _: all(now[k] <= before[k] for k in now))
+    return {
+        "leaked": {k: sorted(after[k] - before[k]) for k in after if after[k] - before[k]},
+        "gone": {k: sorted(before[k] - after[k]) for k in after if before[k] - after[k]},
+        "elapsed": elapsed, "per": per,
+    }
 
 
-def _settled_counts(target: dict[str, Any] | None) -> dict[str, Any]:
-    """Resource counts once they stop moving (threads of a dropped backend need a
-    moment to exit); with ``target``, return as soon as they equal it (5 s at most)."""
+def _settled(done: Callable[[dict[str, set[str]], dict[str, set[str]] | None], bool]) -> dict[str, set[str]]:
+    """:func:`resources` once ``done(now, last sample)`` holds, or after 5 s."""
     import gc
 
     deadline = time.monotonic() + 5
     last = None
     while True:
         gc.collect()
-        now = resource_counts()
-        if (target is not None and now == target) or (target is None and now == last) or time.monotonic() > deadline:
+        now = resources()
+        if done(now, last) or time.monotonic() > deadline:
             return now
         last = now
         time.sleep(0.05)
-
-
-def _fd_map() -> dict[str, str]:
-    out = {}
-    for f in os.listdir("/proc/self/fd"):
-        try:
-            out[f] = os.readlink(f"/proc/self/fd/{f}")
-        except OSError:
-            pass
-    return out
-
-
-def _fd_diff(a: dict[str, str], b: dict[str, str]) -> dict[str, Any]:
-    return {"gone": {k: v for k, v in a.items() if b.get(k) != v}, "new": {k: v for k, v in b.items() if a.get(k) != v}}
 
 
 # --------------------------------------------------------------------- shared pool
