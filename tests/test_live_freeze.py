@@ -102,11 +102,12 @@ def test_a_freeze_waits_for_a_receiver_about_to_finish_instead_of_copying(monkey
 
 def test_a_receiver_finishing_while_the_freeze_waits_frees_the_state_under_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The transport frees a live state the moment its last receiver has every byte
-    (``on_complete``, on that receiver's serving thread). When that happens while the
-    step's freeze waits for the receivers, the freeze must find nothing left to do and
-    return, not fail on the emptied state: the step's ``disallow_checkpoint`` raised
-    IndexError here (seen in ``bench/heal_stall.py --compute wait``)."""
+    """The transport frees a live state once its last receiver has every byte
+    (``on_complete``). When that delivery completes while the step's freeze waits for
+    the receivers, the freeze must find nothing left to do and return, and the state be
+    freed by then; it used to be freed under the running freeze, on the receiver's
+    serving thread, and the step's ``disallow_checkpoint`` raised IndexError (seen in
+    ``bench/heal_stall.py --compute wait``)."""
     monkeypatch.setattr(_live, "MEASURE_S", 0.0)
     weighed = threading.Event()
     monkeypatch.setattr(_live, "wait_for_delivery", _weigh(30.0, [], weighed))

@@ -117,7 +117,9 @@ class StateChanged(RuntimeError):
 class LiveEncoded(Encoded):
     """An :class:`Encoded` whose uncopied tensors are the caller's live memory (see the
     module docstring). ``receivers``: how many peers are expected to read it all;
-    ``on_complete`` runs once every piece was delivered that often after :meth:`freeze`."""
+    ``on_complete`` runs once every piece was delivered that often and :meth:`freeze`
+    has returned (it frees the state: never under a freeze still at work; a delivery
+    that completes during the freeze is completed by the freeze's end)."""
 
     def __init__(self, enc: Encoded, receivers: int, on_complete: Callable[[], None] | None = None,
                  precopy: bool = False) -> None:
@@ -219,7 +221,7 @@ class LiveEncoded(Encoded):
                 self._sent_bytes += self._piece_bytes[ti]
                 if self._sent[ti] == self._need[ti]:
                     self._owed -= 1
-                    complete = self._owed == 0 and self.frozen
+                    complete = self._owed == 0 and self._thawed
                     if self._owed == 0:
                         self._cv.notify_all()  # a freeze may be waiting for the delivery
         if complete:
@@ -243,7 +245,7 @@ class LiveEncoded(Encoded):
         """A receiver has all it needs from us (a striped heal takes only part of it)."""
         with self._cv:
             self._done += 1
-            complete = self._done == self._receivers and self.frozen
+            complete = self._done == self._receivers and self._thawed
             self._cv.notify_all()
         if complete:
             self._completed()
@@ -384,9 +386,8 @@ class LiveEncoded(Encoded):
         for i in reversed(todo):
             with self._cv:
                 if not self.views:
-                    # Released meanwhile: every receiver finished (the completion ran on a
-                    # serving thread while this freeze waited or copied). Nothing is read
-                    # from the caller's memory any more; nothing is left to copy.
+                    # Withdrawn and released meanwhile by another thread (a shutdown, say):
+                    # nothing is read from the caller's memory any more; nothing to copy.
                     break
                 size = self.views[i].nbytes
                 delivered = self._delivered(i, keep)
