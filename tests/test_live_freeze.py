@@ -100,7 +100,7 @@ def test_a_freeze_waits_for_a_receiver_about_to_finish_instead_of_copying(monkey
     assert_same(want, wire.decode(bytes(got)))
 
 
-def test_a_receiver_finishing_while_the_freeze_waits_frees_the_state_under_it(
+def test_a_delivery_completing_while_the_freeze_waits_is_completed_by_the_freeze(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The transport frees a live state once its last receiver has every byte
     (``on_complete``). When that delivery completes while the step's freeze waits for
@@ -135,10 +135,10 @@ def test_a_receiver_finishing_while_the_freeze_waits_frees_the_state_under_it(
     th = threading.Thread(target=receiver)
     th.start()
     t0 = time.monotonic()
-    copied = enc.freeze(30.0)  # copies tensor 3, waits; the receiver takes 2 and 3 and frees the state
+    copied = enc.freeze(30.0)  # copies tensor 3, waits; the receiver takes 2 and 3; the freeze frees it
     th.join(10)
     assert not th.is_alive()
-    assert copied == MiB  # tensor 3 only: the state was freed before tensor 2's turn
+    assert copied == MiB  # tensor 3 only: tensor 2 was delivered while the freeze waited
     assert released.is_set() and enc.views == []
     assert time.monotonic() - t0 < 10.0  # woken by the delivery, not the 30 s bound
     for t in sd.values():

@@ -265,8 +265,9 @@ class LiveEncoded(Encoded):
 
     def _copy(self, ti: int) -> Any:
         """A private copy of live tensor ``ti``'s bytes, carved from a slab (see
-        :data:`SLAB_BYTES`); None when the state was released meanwhile (its last receiver
-        finished on a serving thread: nothing is left to copy).
+        :data:`SLAB_BYTES`); None when the state was released meanwhile (withdrawn by
+        another thread, or delivered after a freeze that stopped waiting for the
+        background copier): nothing is left to copy.
 
         Why slabs: the freeze runs on the training thread, and copying into fresh memory
         is mostly page faults on a 4 KiB-page heap (one per page; ``clone`` of 3 MiB
