@@ -1,7 +1,8 @@
 """The checkpoint server as an attacker or a broken client meets it: every wait is
 bounded (a client that connects and sends nothing, or half a request, is dropped within
 the header timeout), requests that are not the three GET routes get a clear 4xx, the
-connection count is capped, and none of it disturbs a legal receiver."""
+connection count is capped, connections without the token cannot hold the slots a
+receiver needs, and none of it disturbs a legal receiver."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from rallypoint.transports._http_serve import BadRequest, int_param, parse_head
+from rallypoint.transports._http_serve import BadRequest, evict_for_newcomer, int_param, parse_head
 from rallypoint.transports.http import HTTPTransport
 
 TEN = timedelta(seconds=10)
@@ -90,7 +91,7 @@ def test_bad_requests_get_clear_answers() -> None:
         t.shutdown()
 
 
-def test_silent_and_slow_clients_are_dropped_and_connections_are_capped() -> None:
+def test_silent_and_slow_clients_are_dropped() -> None:
     t = Quick(bind="127.0.0.1:0")
     try:
         t.send_checkpoint([1], 1, {"w": torch.arange(100.0)}, TEN)
@@ -102,20 +103,103 @@ def test_silent_and_slow_clients_are_dropped_and_connections_are_capped() -> Non
         assert time.monotonic() - t0 < 3.0
         silent.close()
         half.close()
-        # Hold the cap's worth of connections open: one more is closed at once, unanswered.
-        held = [socket.create_connection(("127.0.0.1", t.port), timeout=5) for _ in range(Quick.MAX_CONNECTIONS)]
-        deadline = time.monotonic() + 5
-        while len(t._server._conns) < Quick.MAX_CONNECTIONS and time.monotonic() < deadline:
-            time.sleep(0.01)  # the acceptor registers them; there is no event to await
-        extra = socket.create_connection(("127.0.0.1", t.port), timeout=5)
-        assert extra.recv(1) == b""
-        for s in held + [extra]:
+    finally:
+        t.shutdown()
+
+
+@pytest.mark.parametrize("conns, victim", [
+    ([], None),
+    ([(1.0, True), (0.5, True)], None),  # every slot proven: the newcomer is refused
+    ([(1.0, False)], 0),
+    ([(3.0, False), (1.0, True), (2.0, False)], 2),  # the oldest unproven, not the oldest
+    ([(0.1, True), (5.0, False), (4.0, False), (6.0, False)], 2),
+])
+def test_evict_for_newcomer(conns: list[tuple[float, bool]], victim: int | None) -> None:
+    assert evict_for_newcomer(conns) == victim
+
+
+def _held(t: HTTPTransport, n: int) -> list[socket.socket]:
+    """``n`` idle connections to ``t``, once its server has registered all of them."""
+    held = [socket.create_connection(("127.0.0.1", t.port), timeout=5) for _ in range(n)]
+    deadline = time.monotonic() + 5
+    while len(t._server._conns) < n and time.monotonic() < deadline:
+        time.sleep(0.01)  # the acceptor registers them; there is no event to await
+    assert len(t._server._conns) == n
+    return held
+
+
+def _answer(s: socket.socket) -> bytes:
+    """One whole response on keep-alive connection ``s``: its head, then its body."""
+    s.settimeout(5)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, "the server closed the connection"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(v) for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+                  if k.strip().lower() == b"content-length")
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk, "the server closed the connection"
+        body += chunk
+    assert len(body) == length
+    return head
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    s.settimeout(5)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_and_refused_connections_cannot_lock_a_receiver_out() -> None:
+    """An attacker without the token holds every connection slot (idle sockets, and one
+    that asks with a wrong token): a receiver with the token still heals, and the slots it
+    took were the attacker's oldest."""
+    t = Quick(bind="127.0.0.1:0", token="tok")
+    r = HTTPTransport(bind="127.0.0.1:0", token="tok", num_chunks=2)
+    try:
+        state = {"w": torch.arange(4096.0), "v": torch.ones(3, 5)}
+        t.send_checkpoint([1], 1, state, TEN)
+        wrong = socket.create_connection(("127.0.0.1", t.port), timeout=5)
+        wrong.sendall(b"GET /checkpoint/1/header HTTP/1.1\r\nAuthorization: Bearer nope\r\n\r\n")
+        answer = _answer(wrong)
+        assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower()
+        assert _closed_by_server(wrong), "a refused request's connection is closed"
+        wrong.close()
+        held = _held(t, Quick.MAX_CONNECTIONS)
+        got = r.recv_checkpoint(0, t.metadata(), 1, TEN)
+        assert torch.equal(got["w"], state["w"]) and torch.equal(got["v"], state["v"])
+        # The receiver's connections (header, ranges, done) replaced the oldest idle ones.
+        assert _closed_by_server(held[0])
+        assert all(s.fileno() >= 0 for s in held)
+        for s in held:
             s.close()
-        # Once they are gone, a legal receiver is served.
-        r = HTTPTransport(bind="127.0.0.1:0")
-        try:
-            assert torch.equal(r.recv_checkpoint(0, t.metadata(), 1, TEN)["w"], torch.arange(100.0))
-        finally:
-            r.shutdown()
+    finally:
+        r.shutdown()
+        t.shutdown()
+
+
+def test_proven_connections_keep_their_slots() -> None:
+    """Connections that sent an authorized request are never closed for a newcomer: with
+    every slot proven, the newcomer is closed unanswered and the others go on."""
+    t = Quick(bind="127.0.0.1:0", token="tok")
+    try:
+        t.send_checkpoint([1], 1, {"w": torch.arange(100.0)}, TEN)
+        ask = b"GET /checkpoint/1/header HTTP/1.1\r\nAuthorization: Bearer tok\r\n\r\n"
+        proven = _held(t, Quick.MAX_CONNECTIONS)
+        for s in proven:
+            s.sendall(ask)
+            assert _answer(s).startswith(b"HTTP/1.1 200")
+        extra = socket.create_connection(("127.0.0.1", t.port), timeout=5)
+        assert _closed_by_server(extra)
+        extra.close()
+        for s in proven:  # still served, on the same connections
+            s.sendall(ask)
+            assert _answer(s).startswith(b"HTTP/1.1 200")
+            s.close()
     finally:
         t.shutdown()

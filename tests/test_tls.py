@@ -283,6 +283,37 @@ def test_checkpoint_server_over_tls(pki: Pki) -> None:
             t.shutdown()
 
 
+def test_tls_connections_that_never_handshake_cannot_lock_a_receiver_out(pki: Pki) -> None:
+    """Every slot of a TLS checkpoint server held by clients that connect and never start
+    the handshake: a receiver with the certificate and the token still heals."""
+    import time
+
+    import torch
+
+    from rallypoint.transports import HTTPTransport
+
+    class Capped(HTTPTransport):
+        MAX_CONNECTIONS = 4
+
+    state = {"w": torch.arange(300_000, dtype=torch.float32)}
+    sender = Capped(bind="127.0.0.1:0", token=TOKEN, tls=pki.server(mutual=True), num_chunks=2)
+    receiver = HTTPTransport(bind="127.0.0.1:0", token=TOKEN, tls=pki.client(), num_chunks=2)
+    held: list[socket.socket] = []
+    try:
+        sender.send_checkpoint([1], 3, state, TEN)
+        held = [socket.create_connection(("127.0.0.1", sender.port), timeout=5) for _ in range(Capped.MAX_CONNECTIONS)]
+        deadline = time.monotonic() + 5
+        while len(sender._server._conns) < Capped.MAX_CONNECTIONS and time.monotonic() < deadline:
+            time.sleep(0.01)  # the acceptor registers them; there is no event to await
+        got = receiver.recv_checkpoint(0, sender.metadata(), 3, TEN)
+        assert torch.equal(got["w"], state["w"])
+    finally:
+        for s in held:
+            s.close()
+        sender.shutdown()
+        receiver.shutdown()
+
+
 def test_require_tls_refuses_a_clear_text_source(pki: Pki) -> None:
     from rallypoint.transports import HTTPTransport
     from rallypoint.transports._http_util import TransferError

@@ -10,7 +10,18 @@ bounded: the TLS handshake and a request's headers must arrive within
 ``header_timeout`` (a client that connects and sends nothing, or half a request, is
 dropped), an idle keep-alive connection within ``idle_timeout``, each piece of a body
 must leave within the step's timeout, and at most ``max_connections`` connections are
-served at once (more are closed at once).
+served at once.
+
+Who gets a connection slot: with ``authorize`` set (the job's bearer token), a request it
+refuses gets 401 and its connection is closed, and a connection counts as proven once a
+request on it was authorized (without ``authorize``: once it sent a well-formed request).
+When every slot is taken, a newcomer takes the slot of the oldest connection not yet
+proven (:func:`evict_for_newcomer`), and is refused only when every slot holds a proven
+one. Why: with the newcomer refused instead, anyone who can reach the port could hold the
+slots with idle connections, renewed every ``header_timeout``, and refuse every healing
+peer its state (measured before this: 64 idle sockets without a token made a heal fail in
+1 ms). A real receiver sends its request as soon as it connects and is proven before an
+attacker's later connections can reach it as the oldest unproven.
 """
 
 from __future__ import annotations
@@ -22,10 +33,11 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, unquote
 
+from rallypoint._net.ratelog import Throttle, left_out_note
 from rallypoint.transports import wire
 
 logger = logging.getLogger("rallypoint.transports.http")
@@ -133,23 +145,53 @@ def to_int(raw: str, what: str) -> int:
     return int(raw)
 
 
+@dataclass(eq=False)
+class _Conn:
+    """One accepted connection: its socket (the TLS one once wrapped), when it was
+    accepted, and whether a request on it was authorized."""
+
+    sock: socket.socket
+    accepted: float
+    proven: bool = False
+
+
+def evict_for_newcomer(conns: Sequence[tuple[float, bool]]) -> int | None:
+    """Which connection a newcomer replaces when every slot is taken: the index of the
+    oldest (by accept time) not yet proven, or None when all are proven (the newcomer is
+    refused). ``conns``: ``(accepted, proven)`` per connection. See the module docstring."""
+    best: int | None = None
+    for i, (accepted, proven) in enumerate(conns):
+        if not proven and (best is None or accepted < conns[best][0]):
+            best = i
+    return best
+
+
+#: The answer to a request the server's ``authorize`` refuses.
+UNAUTHORIZED = "missing or wrong bearer token: send 'Authorization: Bearer <token>'"
+
+
 class CheckpointServer:
     """Serves ``handle(request) -> Reply`` on a bound, listening socket, one thread per
-    connection. ``ssl_context``: serve TLS. Stop with :meth:`stop`."""
+    connection. ``ssl_context``: serve TLS. ``authorize(request)``: whether a request may
+    be served (401 and the connection closed otherwise; see the module docstring for what
+    it decides about connection slots). Stop with :meth:`stop`."""
 
     def __init__(self, sock: socket.socket, handle: Callable[[Request], Reply], *,
                  ssl_context: ssl.SSLContext | None = None, name: str = "checkpoint",
-                 header_timeout: float = 10.0, idle_timeout: float = 30.0, max_connections: int = 64) -> None:
+                 header_timeout: float = 10.0, idle_timeout: float = 30.0, max_connections: int = 64,
+                 authorize: Callable[[Request], bool] | None = None) -> None:
         self._sock = sock
         self._handle = handle
+        self._authorize = authorize
         self._ssl = ssl_context
         self._header_timeout = header_timeout
         self._idle_timeout = idle_timeout
         self._max_connections = max_connections
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._conns: set[_Conn] = set()
         self._threads: set[threading.Thread] = set()
+        self._refusals = Throttle(10.0)  # a flood of connections logs a line per interval
         self._sock.setblocking(True)
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"rallypoint-accept-{name}", daemon=True)
         self._name = name
@@ -160,22 +202,39 @@ class CheckpointServer:
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                conn, _addr = self._sock.accept()
+                sock, _addr = self._sock.accept()
             except OSError:
                 if self._stopping.is_set():
                     return
                 time.sleep(0.01)  # EMFILE and the like: let a connection end first
                 continue
+            conn = _Conn(sock, time.monotonic())
+            victim: _Conn | None = None
             with self._lock:
-                if self._stopping.is_set() or len(self._conns) >= self._max_connections:
-                    full = True
-                else:
-                    full = False
+                full = self._stopping.is_set()
+                if not full and len(self._conns) >= self._max_connections:
+                    held = list(self._conns)
+                    pick = evict_for_newcomer([(c.accepted, c.proven) for c in held])
+                    full = pick is None
+                    if pick is not None:
+                        victim = held[pick]
+                        self._conns.discard(victim)
+                if not full:
                     self._conns.add(conn)
+                open_now = len(self._conns)
+            if victim is not None or full:
+                left_out = self._refusals.ready()
+                if left_out is not None:
+                    logger.warning("%s server: %d connections open; %s%s", self._name, open_now,
+                                   "closing a newcomer: every slot holds a proven receiver" if full else
+                                   "closing the oldest that sent no authorized request for a newcomer",
+                                   left_out_note(left_out, "more"))
+            if victim is not None:
+                with contextlib.suppress(OSError):  # its thread wakes up, finds it closed and ends
+                    victim.sock.shutdown(socket.SHUT_RDWR)
             if full:
-                logger.warning("%s server: %d connections open; refusing another", self._name, len(self._conns))
                 with contextlib.suppress(OSError):
-                    conn.close()
+                    sock.close()
                 continue
             t = threading.Thread(target=self._serve_connection, args=(conn,), name=f"rallypoint-conn-{self._name}",
                                  daemon=True)
@@ -183,16 +242,15 @@ class CheckpointServer:
                 self._threads.add(t)
             t.start()
 
-    def _serve_connection(self, raw: socket.socket) -> None:
-        conn: socket.socket = raw
+    def _serve_connection(self, slot: _Conn) -> None:
+        conn: socket.socket = slot.sock
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
                 conn.settimeout(self._header_timeout)
-                conn = self._ssl.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
-                with self._lock:
-                    self._conns.discard(raw)
-                    self._conns.add(conn)
+                with self._lock:  # an eviction shuts down whichever socket the slot holds
+                    conn = self._ssl.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                    slot.sock = conn
                 conn.do_handshake()
             buf = bytearray()
             first = True
@@ -203,6 +261,10 @@ class CheckpointServer:
                 first = False
                 try:
                     request = parse_head(head)
+                    if self._authorize is not None and not self._authorize(request):
+                        self._send_text(conn, Reply(401, UNAUTHORIZED, {"www-authenticate": "Bearer"}), close=True)
+                        return
+                    slot.proven = True
                     reply = self._handle(request) if request.method in ("GET", "HEAD") else \
                         Reply(405, "only GET is served", {"allow": "GET"})
                 except BadRequest as e:
@@ -216,8 +278,7 @@ class CheckpointServer:
             logger.warning("%s server: dropped a connection: %r", self._name, e)
         finally:
             with self._lock:
-                self._conns.discard(conn)
-                self._conns.discard(raw)
+                self._conns.discard(slot)
                 self._threads.discard(threading.current_thread())
             with contextlib.suppress(OSError):
                 conn.close()
@@ -321,7 +382,7 @@ class CheckpointServer:
         with contextlib.suppress(OSError):
             self._sock.close()
         with self._lock:
-            conns, threads = list(self._conns), list(self._threads)
+            conns, threads = [c.sock for c in self._conns], list(self._threads)
         for c in conns:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
@@ -338,4 +399,5 @@ class CheckpointServer:
         return self._acceptor.is_alive()
 
 
-__all__ = ["BadRequest", "CheckpointServer", "Reply", "Request", "_Served", "int_param", "parse_head", "to_int"]
+__all__ = ["UNAUTHORIZED", "BadRequest", "CheckpointServer", "Reply", "Request", "_Served", "evict_for_newcomer", "int_param",
+           "parse_head", "to_int"]

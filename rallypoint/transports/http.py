@@ -20,7 +20,10 @@ the served one gets 409 naming it; nothing served, or only an older step, gets 4
 receiver asks again: the sender may not have published yet), and a step that was served
 and withdrawn (delivered, replaced, expired, or changed while served) gets 410 saying
 why (it will not come back); a wrong or missing bearer token gets 401 before anything
-else; a parameter that is not an integer gets 422.
+else, and its connection is closed; a parameter that is not an integer gets 422. When
+the connection cap is reached, a newcomer replaces the oldest connection that has not
+sent an authorized request yet, so idle connections cannot lock healing peers out
+(:mod:`._http_serve`).
 
 Receiver (:mod:`._http_recv`, over :mod:`._http_client`: keep-alive connections on the
 standard library's ``http.client``, nothing more to import at a process's first heal).
@@ -193,7 +196,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         shown = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
         self._url = f"{self._tls.scheme()}://{shown}:{self._port}"
         self._server = CheckpointServer(self._sock, self._route, ssl_context=server_ctx, name=f"checkpoint:{self._port}",
-                                        header_timeout=self.HEADER_TIMEOUT_S, max_connections=self.MAX_CONNECTIONS)
+                                        header_timeout=self.HEADER_TIMEOUT_S, max_connections=self.MAX_CONNECTIONS,
+                                        authorize=self._authorized if self._token is not None else None)
         logger.info("checkpoint HTTP transport serving on %s", self._url)
 
     # ------------------------------------------------------------------ serving side
@@ -229,10 +233,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         yield from served.enc.iter_data(start, end, SEND_PIECE)
 
     def _route(self, request: Request) -> Reply:
-        """``GET /checkpoint/{step}/{header,data,full}``: the token first, then the step."""
-        if not self._authorized(request):
-            return Reply(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
-                         {"www-authenticate": "Bearer"})
+        """``GET /checkpoint/{step}/{header,data,full,done}`` (the server has checked the
+        token: a request without it never gets here)."""
         parts = request.parts
         if len(parts) != 3 or parts[0] != "checkpoint" or parts[2] not in ("header", "data", "full", "done"):
             return Reply(404, "not found: the routes are /checkpoint/{step}/header, /data?start=&end=, /full and /done")
