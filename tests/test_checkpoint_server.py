@@ -13,7 +13,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from rallypoint.transports._http_serve import BadRequest, evict_for_newcomer, int_param, parse_head
+from rallypoint._net.slots import evict_for_newcomer
+from rallypoint.transports._http_serve import BadRequest, int_param, parse_head
 from rallypoint.transports.http import HTTPTransport
 
 TEN = timedelta(seconds=10)

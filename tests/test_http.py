@@ -472,3 +472,61 @@ def test_silent_and_half_request_clients_are_dropped(monkeypatch: pytest.MonkeyP
             assert ok.recv(100).startswith(b"HTTP/1.1 200")
     finally:
         lh.shutdown()
+
+
+def test_idle_connections_give_way_to_a_request_and_proven_ones_keep_theirs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every connection slot held by sockets that sent nothing, a client with a real
+    request is still answered (the oldest idle one is closed for it); with every slot held
+    by connections that sent requests, a newcomer is closed and they are still served."""
+    import socket
+
+    import rallypoint.lighthouse.http as lh_http
+    from rallypoint.lighthouse.server import LighthouseServer
+
+    monkeypatch.setattr(lh_http, "MAX_CONNECTIONS", 4)
+    lh = LighthouseServer(bind="127.0.0.1:0", http_bind="127.0.0.1:0")
+    ask = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    def answer(s: socket.socket) -> bytes:
+        """One whole response on ``s`` (head and content-length body); its head."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            assert chunk, "closed by the server"
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:])
+        length = int(next(v for k, v in fields.items() if k.strip().lower() == b"content-length"))
+        while len(body) < length:
+            chunk = s.recv(65536)
+            assert chunk, "closed by the server"
+            body += chunk
+        return head
+
+    def closed(s: socket.socket) -> bool:
+        try:
+            return s.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    try:
+        port = int(lh.http_address().rsplit(":", 1)[1])  # type: ignore[union-attr]
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as ok:
+            ok.sendall(ask)
+            assert answer(ok).startswith(b"HTTP/1.1 200")
+        assert closed(idle[0]), "the oldest idle connection gave its slot to the request"
+        for s in idle:
+            s.close()
+        proven = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        for s in proven:
+            s.sendall(ask)
+            assert answer(s).startswith(b"HTTP/1.1 200")
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+            assert closed(extra), "every slot holds a client that sent a request: the newcomer is closed"
+        for s in proven:
+            s.sendall(ask)
+            assert answer(s).startswith(b"HTTP/1.1 200")
+            s.close()
+    finally:
+        lh.shutdown()

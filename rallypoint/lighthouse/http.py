@@ -36,6 +36,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from rallypoint._net import addr as addrs
 from rallypoint._net.job import DEFAULT_JOB
+from rallypoint._net.ratelog import Throttle, left_out_note
+from rallypoint._net.slots import evict_for_newcomer
 from rallypoint._net.inject import Injection
 from rallypoint._net.tls import TlsConfig, uvicorn_ssl_kwargs
 from rallypoint.lighthouse._goodput_http import add_goodput_route
@@ -295,24 +297,41 @@ class _EmbeddedServer(uvicorn.Server):
 
 #: A connection must send a complete request head within this (also after each response).
 HEAD_TIMEOUT_S = 10.0
-#: Connections served at once; more are closed as they arrive.
+#: Connections served at once. A newcomer beyond them replaces the oldest connection that
+#: has not sent a whole request yet, or is closed when every one has (``_net.slots``).
 MAX_CONNECTIONS = 256
+_REFUSALS = Throttle(10.0)  # a flood of connections logs one line per interval
 
 
 class _GuardedH11(H11Protocol):
     """uvicorn's HTTP/1.1 protocol with the two bounds it lacks: a client that connects
     and sends nothing, or half a request head, is dropped after :data:`HEAD_TIMEOUT_S`
     (uvicorn would hold it forever, and enough of them exhaust the lighthouse's file
-    descriptors, gRPC port included), and at most :data:`MAX_CONNECTIONS` are open."""
+    descriptors, gRPC port included), and at most :data:`MAX_CONNECTIONS` are open, where
+    connections that never sent a whole request give way to newcomers (so idle sockets
+    cannot lock ``rallypoint status`` and the dashboard out)."""
 
     _head_timer: asyncio.TimerHandle | None = None
+    _accepted = 0.0
+    _proven = False  # a whole request head arrived on it
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._accepted = time.monotonic()
         if len(self.connections) > MAX_CONNECTIONS:
-            logger.warning("lighthouse HTTP endpoint: %d connections open; closing a new one", len(self.connections))
-            transport.close()
-            return
+            others = [c for c in self.connections if c is not self and isinstance(c, _GuardedH11)]
+            pick = evict_for_newcomer([(c._accepted, c._proven) for c in others])
+            left_out = _REFUSALS.ready()
+            if left_out is not None:
+                logger.warning("lighthouse HTTP endpoint: %d connections open; %s%s", len(self.connections),
+                               "closing a newcomer: every one has sent a request" if pick is None else
+                               "closing the oldest that sent no request for a newcomer", left_out_note(left_out, "more"))
+            if pick is None:
+                transport.close()
+                return
+            victim = others[pick]
+            self.connections.discard(victim)  # its slot is the newcomer's now
+            victim.transport.close()
         self._arm()
 
     def _arm(self) -> None:
@@ -332,6 +351,7 @@ class _GuardedH11(H11Protocol):
     def handle_events(self) -> None:
         super().handle_events()
         if self.cycle is not None and not self.cycle.response_complete:
+            self._proven = True
             self._disarm()  # a whole request head arrived; the app answers it
 
     def on_response_complete(self) -> None:

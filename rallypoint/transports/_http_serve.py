@@ -16,12 +16,8 @@ Who gets a connection slot: with ``authorize`` set (the job's bearer token), a r
 refuses gets 401 and its connection is closed, and a connection counts as proven once a
 request on it was authorized (without ``authorize``: once it sent a well-formed request).
 When every slot is taken, a newcomer takes the slot of the oldest connection not yet
-proven (:func:`evict_for_newcomer`), and is refused only when every slot holds a proven
-one. Why: with the newcomer refused instead, anyone who can reach the port could hold the
-slots with idle connections, renewed every ``header_timeout``, and refuse every healing
-peer its state (measured before this: 64 idle sockets without a token made a heal fail in
-1 ms). A real receiver sends its request as soon as it connects and is proven before an
-attacker's later connections can reach it as the oldest unproven.
+proven, and is refused only when every slot holds a proven one
+(:mod:`rallypoint._net.slots` says why).
 """
 
 from __future__ import annotations
@@ -33,11 +29,12 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, unquote
 
 from rallypoint._net.ratelog import Throttle, left_out_note
+from rallypoint._net.slots import evict_for_newcomer
 from rallypoint.transports import wire
 
 logger = logging.getLogger("rallypoint.transports.http")
@@ -153,17 +150,6 @@ class _Conn:
     sock: socket.socket
     accepted: float
     proven: bool = False
-
-
-def evict_for_newcomer(conns: Sequence[tuple[float, bool]]) -> int | None:
-    """Which connection a newcomer replaces when every slot is taken: the index of the
-    oldest (by accept time) not yet proven, or None when all are proven (the newcomer is
-    refused). ``conns``: ``(accepted, proven)`` per connection. See the module docstring."""
-    best: int | None = None
-    for i, (accepted, proven) in enumerate(conns):
-        if not proven and (best is None or accepted < conns[best][0]):
-            best = i
-    return best
 
 
 #: The answer to a request the server's ``authorize`` refuses.
@@ -399,5 +385,5 @@ class CheckpointServer:
         return self._acceptor.is_alive()
 
 
-__all__ = ["UNAUTHORIZED", "BadRequest", "CheckpointServer", "Reply", "Request", "_Served", "evict_for_newcomer", "int_param",
-           "parse_head", "to_int"]
+__all__ = ["UNAUTHORIZED", "BadRequest", "CheckpointServer", "Reply", "Request", "_Served", "int_param", "parse_head",
+           "to_int"]

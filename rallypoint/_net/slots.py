@@ -1,0 +1,30 @@
+"""Who gets a connection slot when a server's connection cap is reached.
+
+Why: a server that refuses every newcomer once its cap is reached can be locked by anyone
+who reaches its port: open the cap's worth of connections, send nothing, and reconnect
+each time the server drops them for their silence. Every legitimate client is refused
+meanwhile (measured on the checkpoint server: 64 idle sockets without a token made a heal
+fail within 1 ms). So a newcomer takes the slot of the oldest connection that has not
+proven itself yet (an authorized request on the checkpoint server; a whole request on the
+lighthouse's HTTP endpoint), and is refused only when every slot holds a proven one. A real
+client sends its request as soon as it connects, so it is proven long before an attacker's
+later connections make it the oldest unproven one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def evict_for_newcomer(conns: Sequence[tuple[float, bool]]) -> int | None:
+    """The index of the connection a newcomer replaces when every slot is taken: the
+    oldest (by accept time) not yet proven; None when all are proven (the newcomer is
+    refused). ``conns``: ``(accepted, proven)`` per connection."""
+    best: int | None = None
+    for i, (accepted, proven) in enumerate(conns):
+        if not proven and (best is None or accepted < conns[best][0]):
+            best = i
+    return best
+
+
+__all__ = ["evict_for_newcomer"]
