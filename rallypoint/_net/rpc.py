@@ -17,6 +17,11 @@ MAX_RECEIVE_BYTES = 256 * 1024
 MAX_SEND_BYTES = 64 * 1024 * 1024
 
 
+#: How long a new connection to a rallypoint gRPC server has to finish its handshake (the
+#: same bound as a request head on the HTTP servers).
+HANDSHAKE_TIMEOUT_MS = 10_000
+
+
 def server_options(max_send: int = MAX_SEND_BYTES) -> list[tuple[str, int]]:
     """Options for every ``grpc.aio.server`` rallypoint starts. ``so_reuseport`` is off:
     two servers must never share a port by accident."""
@@ -28,6 +33,10 @@ def server_options(max_send: int = MAX_SEND_BYTES) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS - 1000),
         ("grpc.http2.max_ping_strikes", 0),
+        # A connection that has not finished its handshake (TLS, and the HTTP/2 preface and
+        # SETTINGS) within this is closed: gRPC's own default, 120 s, let idle sockets
+        # from anyone hold the server's file descriptors long enough to exhaust them.
+        ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
     ]
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import grpc
 
+from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net import __version__
 from rallypoint._net.auth import job_token
 from rallypoint._net.job import DEFAULT_JOB, check_job
@@ -204,6 +205,7 @@ class LighthouseServer:
             if secured(self._token, configs):
                 token = self._token
                 interceptors.append(JobTokenInterceptor(lambda job, hdr: admit(job, hdr, token, configs), on_reject))
+            raise_open_file_limit()  # idle sockets from anyone must not exhaust our descriptors
             server = grpc.aio.server(options=server_options(), interceptors=interceptors)
             service = _Service(table)
             ha: Leadership | None = None

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import grpc
 
 from rallypoint._proto import torchft_pb2 as pb
+from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net.auth import TokenInterceptor, job_token
 from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES, MAX_REASON_BYTES, MAX_REPLICA_ID_BYTES, utf8_len
 from rallypoint._net.rpc import seconds, server_options, unary_handler
@@ -237,6 +238,7 @@ class ManagerServer(InProcessCalls):
         # Every ManagerService method needs the job token when one is set: Kill ends the
         # replica and ShouldCommit votes decide whether a step commits.
         interceptors = [TokenInterceptor(self._token)] if self._token else []
+        raise_open_file_limit()  # idle sockets from anyone must not exhaust our descriptors
         server = grpc.aio.server(options=server_options(), interceptors=interceptors)
         server.add_generic_rpc_handlers([self._handlers()])
         try:

@@ -60,6 +60,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net.auth import bearer_matches, job_token
 from rallypoint._net.addr import is_loopback
 from rallypoint._net.tls import TlsConfig, check_server, client_ssl_context, server_ssl_context, tls_config
@@ -186,6 +187,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         host = host.strip("[]")
         check_server(self._tls, "the checkpoint server", host, self._token, is_loopback(host))
         server_ctx = server_ssl_context(self._tls)  # None for clear text; fails here naming the files
+        raise_open_file_limit()  # idle sockets from anyone must not exhaust our descriptors
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, int(port)))
