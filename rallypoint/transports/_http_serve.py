@@ -205,19 +205,20 @@ class CheckpointServer:
                     if pick is not None:
                         victim = held[pick]
                         self._conns.discard(victim)
+                        # Under the lock: the socket the slot holds now (its TLS wrapping swaps
+                        # it under the same lock). Its thread wakes up, finds it closed, ends.
+                        with contextlib.suppress(OSError):
+                            victim.sock.shutdown(socket.SHUT_RDWR)
                 if not full:
                     self._conns.add(conn)
                 open_now = len(self._conns)
-            if victim is not None or full:
+            if (victim is not None or full) and not self._stopping.is_set():
                 left_out = self._refusals.ready()
                 if left_out is not None:
                     logger.warning("%s server: %d connections open; %s%s", self._name, open_now,
                                    "closing a newcomer: every slot holds a proven receiver" if full else
                                    "closing the oldest that sent no authorized request for a newcomer",
                                    left_out_note(left_out, "more"))
-            if victim is not None:
-                with contextlib.suppress(OSError):  # its thread wakes up, finds it closed and ends
-                    victim.sock.shutdown(socket.SHUT_RDWR)
             if full:
                 with contextlib.suppress(OSError):
                     sock.close()
