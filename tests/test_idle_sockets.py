@@ -1,6 +1,6 @@
 """Idle sockets from anyone cannot lock a rallypoint server: every gRPC server closes a
 connection that has not finished its handshake within HANDSHAKE_TIMEOUT_MS (gRPC's own
-default held it 120 s), and every server raises its process's open-file soft limit to
+default held it 60 s here), and every server raises its process's open-file soft limit to
 the hard one, so the descriptors such sockets hold run out much later. (The HTTP
 servers' connection slots are tested in test_checkpoint_server.py and test_http.py.)"""
 
