@@ -15,7 +15,9 @@ wall-clock limit). Options (a JSON object on the command line):
   applied yet), both from step N on (default 0). ``local_error`` kills nothing: the
   group reports an error after its collectives at step N, once, so it alone fails that step.
 - ``mode``: ``"fixed"`` for ``WorldSizeMode.FIXED_WITH_SPARES``; ``min_replica_size``.
-- ``transport``: ``"pg"`` heals over the cross-replica process group (``PGTransport``).
+- ``transport``: ``"pg"`` heals over the cross-replica process group (``PGTransport``);
+  ``"torchft_http"`` with torchft 0.2.0's own ``HTTPTransport`` (what a torchft user may
+  pass as ``checkpoint_transport``).
 - ``delay``: seconds between steps; ``async``: async quorum (default true).
 - ``ranks``: ranks in the replica group (threads of the worker process; default 1).
 - ``sdc``: the gradient-norm check on; ``sdc_every``: the parameter check every N steps.
@@ -131,6 +133,10 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
         from rallypoint.transports.pg import PGTransport
 
         transport = PGTransport(pg, timeout=timeout)
+    elif opts.get("transport") == "torchft_http":
+        from torchft.checkpointing.http_transport import HTTPTransport as TorchftHTTPTransport
+
+        transport = TorchftHTTPTransport(timeout=timeout, num_chunks=0)
     m = Manager(
         pg=pg, load_state_dict=load, state_dict=save, min_replica_size=int(opts.get("min_replica_size", 1)),
         rank=rank, world_size=world_size, store_addr="127.0.0.1", store_port=store_port,

@@ -56,6 +56,27 @@ def test_late_replica_heals_from_peer(lighthouse_factory, replicas_factory, use_
     assert hist[0][0] > 1, hist  # its first committed step came after the heal, not from 0
 
 
+@pytest.mark.interop
+def test_late_replica_heals_with_torchfts_own_http_transport(lighthouse_factory, replicas_factory) -> None:
+    """A torchft user passes torchft 0.2.0's ``HTTPTransport`` as ``checkpoint_transport``:
+    our Manager serves and fetches with it (its methods only), the late replica heals, and
+    both end identical (momentum buffers included)."""
+    pytest.importorskip("torchft.checkpointing.http_transport")
+    lh = lighthouse_factory(min_replicas=1, join_timeout_ms=200)
+    r = replicas_factory(lh)
+    r.start("replica_0", seed=1, delay=0.1, optimizer="torch", transport="torchft_http")
+    r.wait_for("replica_0 at step 3", lambda: r.step("replica_0") >= 3, 30)
+    r.start("replica_1", seed=2, delay=0.1, optimizer="torch", transport="torchft_http")
+    r.wait_for("replica_1 healed", lambda: r.step("replica_1") >= 4, 30)
+    target = max(r.step("replica_0"), r.step("replica_1")) + 4
+    r.finish(target, timeout=30)
+    assert_identical(r, ["replica_0", "replica_1"], target)
+    assert r.progress("replica_1")["history"][0][0] > 1  # it started from the healed step, not 0
+    healer = next(f for f in r.tmp.glob("replica_1.*.log")).read_text()
+    assert "torchft.checkpointing.http_transport fetching checkpoint from" in healer, healer[-3000:]
+    assert "received the state of step" in healer, healer[-3000:]
+
+
 def test_late_replica_heals_striped_from_two_peers(lighthouse_factory, replicas_factory) -> None:
     """Two replicas train; a third joins late and heals from both at once (striped), and
     all three end identical. The weight is big enough (1.3 MB) to be served live."""
