@@ -228,3 +228,57 @@ def test_two_groups_train_and_heal_with_the_token(tmp_path: Path, monkeypatch: p
     assert a["step"] == b["step"] == 3
     assert a["w"] == b["w"]
     assert any("healing to step 0" in err for _, err in outs)
+
+
+class _Foreign:
+    """A transport that is not rallypoint's (defined in this test module)."""
+
+    def __init__(self, metadata: str) -> None:
+        self._metadata = metadata
+
+    def metadata(self) -> str:
+        return self._metadata
+
+
+@pytest.mark.parametrize("transport, metadata, token, warns", [
+    (_Foreign("http://host:1/checkpoint"), "http://host:1/checkpoint", "tok", True),
+    (_Foreign("https://host:1"), "https://host:1", "tok", True),
+    (_Foreign("http://host:1"), "http://host:1", None, False),  # no token: nothing is guarded anyway
+    (_Foreign("<n/a>"), "<n/a>", "tok", False),  # over the process group: no server of its own
+    (HTTPTransport.__new__(HTTPTransport), "http://host:1", "tok", False),  # ours checks the token
+])
+def test_unguarded_transport(transport: object, metadata: str, token: str | None, warns: bool) -> None:
+    from rallypoint.manager._heal import unguarded_transport
+
+    said = unguarded_transport(transport, metadata, token)
+    assert (said is not None) == warns
+    if warns:
+        assert said is not None and "_Foreign" in said and metadata in said and "token" in said
+
+
+def test_torchfts_http_transport_with_a_job_token_is_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """torchft 0.2.0's HTTPTransport given to a replica whose job has a token: it is used,
+    and the log says that its server is open to anyone (it takes no token)."""
+    import logging
+
+    tf_http = pytest.importorskip("torchft.checkpointing.http_transport")
+    from rallypoint.manager._heal import warn_if_unguarded
+
+    monkeypatch.setenv("RALLYPOINT_TOKEN", "tok")
+    theirs = tf_http.HTTPTransport(timeout=TEN, num_chunks=0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="test.heal"):
+            warn_if_unguarded(theirs, logging.getLogger("test.heal"))
+        assert "torchft.checkpointing.http_transport.HTTPTransport is not rallypoint's" in caplog.text
+        assert theirs.metadata() in caplog.text
+        caplog.clear()
+        ours = HTTPTransport(bind="127.0.0.1:0")
+        try:
+            with caplog.at_level(logging.WARNING, logger="test.heal"):
+                warn_if_unguarded(ours, logging.getLogger("test.heal"))
+            assert caplog.text == ""
+        finally:
+            ours.shutdown()
+    finally:
+        theirs.shutdown()

@@ -26,6 +26,40 @@ from rallypoint.manager.recovery import QuorumResult
 from rallypoint.transports.base import CheckpointTransportLike
 
 
+def unguarded_transport(transport: object, metadata: str, token: str | None) -> str | None:
+    """What to warn about when the caller's own ``checkpoint_transport`` is not one of
+    ours, serves over a server of its own (its ``metadata`` is a URL), and the job has a
+    token; else None.
+
+    Why: the job token guards every socket rallypoint opens, but a transport we did not
+    write (torchft's ``HTTPTransport``, say) serves the replica's whole state without it,
+    to anyone who reaches its port (and torchft's unpickles what it receives). The user
+    chose it, so it is used; the warning says what that exposes. A transport over the
+    process group (torchft's ``PGTransport``) opens no server: nothing to say."""
+    cls = type(transport)
+    if token is None or cls.__module__.split(".")[0] == "rallypoint":
+        return None
+    if not metadata.lower().startswith(("http://", "https://")):
+        return None
+    return (f"checkpoint_transport {cls.__module__}.{cls.__qualname__} is not rallypoint's: the job token does "
+            f"not guard its server ({metadata}), so anyone who reaches it can fetch this replica's state "
+            "(leave checkpoint_transport unset for rallypoint's HTTPTransport, which checks the token)")
+
+
+def warn_if_unguarded(transport: Any, log: logging.LoggerAdapter[Any] | logging.Logger) -> None:
+    """Log :func:`unguarded_transport`'s warning for the caller's ``transport``, if any
+    (the token from ``RALLYPOINT_TOKEN``, as every server of the replica reads it)."""
+    from rallypoint._net.auth import job_token
+
+    try:
+        served_at = str(transport.metadata())
+    except Exception:  # noqa: BLE001 - only for the warning
+        served_at = ""
+    warning = unguarded_transport(transport, served_at, job_token())
+    if warning:
+        log.warning("%s", warning)
+
+
 def materialise(tree: Any) -> Any:
     """A copy of every tensor in ``tree`` (dicts, lists, tuples; other leaves as they are),
     detached from autograd. DTensors stay DTensors (their local shard is copied), so the

@@ -188,6 +188,10 @@ class Manager(GroupConnection):
             heal = heal_address_from_env(os.environ, hostname)  # RALLYPOINT_HEAL_HOST: the heal network
             checkpoint_transport = HTTPTransport(timeout=self._timeout, bind=heal.bind_spec(),
                                                  advertise_host=heal.advertise)
+        else:
+            from rallypoint.manager._heal import warn_if_unguarded
+
+            warn_if_unguarded(checkpoint_transport, self._log)
         self._transport: CheckpointTransportLike[dict[str, Any]] = checkpoint_transport
         self._healer = Healer(checkpoint_transport, self._group_rank, self._timeout, self._connect_timeout, self._log)
 
