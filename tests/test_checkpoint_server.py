@@ -13,6 +13,8 @@ from datetime import timedelta
 import pytest
 import torch
 
+from http_wire import closed_by_server, read_response
+
 from rallypoint._net.slots import evict_for_newcomer
 from rallypoint.transports._http_serve import BadRequest, int_param, parse_head
 from rallypoint.transports.http import HTTPTransport
@@ -129,33 +131,6 @@ def _held(t: HTTPTransport, n: int) -> list[socket.socket]:
     return held
 
 
-def _answer(s: socket.socket) -> bytes:
-    """One whole response on keep-alive connection ``s``: its head, then its body."""
-    s.settimeout(5)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = s.recv(65536)
-        assert chunk, "the server closed the connection"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(v) for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
-                  if k.strip().lower() == b"content-length")
-    while len(body) < length:
-        chunk = s.recv(65536)
-        assert chunk, "the server closed the connection"
-        body += chunk
-    assert len(body) == length
-    return head
-
-
-def _closed_by_server(s: socket.socket) -> bool:
-    s.settimeout(5)
-    try:
-        return s.recv(1) == b""
-    except ConnectionResetError:
-        return True
-
-
 def test_idle_and_refused_connections_cannot_lock_a_receiver_out() -> None:
     """An attacker without the token holds every connection slot (idle sockets, and one
     that asks with a wrong token): a receiver with the token still heals, and the slots it
@@ -167,15 +142,15 @@ def test_idle_and_refused_connections_cannot_lock_a_receiver_out() -> None:
         t.send_checkpoint([1], 1, state, TEN)
         wrong = socket.create_connection(("127.0.0.1", t.port), timeout=5)
         wrong.sendall(b"GET /checkpoint/1/header HTTP/1.1\r\nAuthorization: Bearer nope\r\n\r\n")
-        answer = _answer(wrong)
+        answer = read_response(wrong)
         assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower()
-        assert _closed_by_server(wrong), "a refused request's connection is closed"
+        assert closed_by_server(wrong), "a refused request's connection is closed"
         wrong.close()
         held = _held(t, Quick.MAX_CONNECTIONS)
         got = r.recv_checkpoint(0, t.metadata(), 1, TEN)
         assert torch.equal(got["w"], state["w"]) and torch.equal(got["v"], state["v"])
         # The receiver's connections (header, ranges, done) replaced the oldest idle ones.
-        assert _closed_by_server(held[0])
+        assert closed_by_server(held[0])
         assert all(s.fileno() >= 0 for s in held)
         for s in held:
             s.close()
@@ -194,13 +169,13 @@ def test_proven_connections_keep_their_slots() -> None:
         proven = _held(t, Quick.MAX_CONNECTIONS)
         for s in proven:
             s.sendall(ask)
-            assert _answer(s).startswith(b"HTTP/1.1 200")
+            assert read_response(s).startswith(b"HTTP/1.1 200")
         extra = socket.create_connection(("127.0.0.1", t.port), timeout=5)
-        assert _closed_by_server(extra)
+        assert closed_by_server(extra)
         extra.close()
         for s in proven:  # still served, on the same connections
             s.sendall(ask)
-            assert _answer(s).startswith(b"HTTP/1.1 200")
+            assert read_response(s).startswith(b"HTTP/1.1 200")
             s.close()
     finally:
         t.shutdown()

@@ -480,34 +480,14 @@ def test_idle_connections_give_way_to_a_request_and_proven_ones_keep_theirs(monk
     by connections that sent requests, a newcomer is closed and they are still served."""
     import socket
 
+    from http_wire import closed_by_server as closed, read_response as answer
+
     import rallypoint.lighthouse.http as lh_http
     from rallypoint.lighthouse.server import LighthouseServer
 
     monkeypatch.setattr(lh_http, "MAX_CONNECTIONS", 4)
     lh = LighthouseServer(bind="127.0.0.1:0", http_bind="127.0.0.1:0")
     ask = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
-
-    def answer(s: socket.socket) -> bytes:
-        """One whole response on ``s`` (head and content-length body); its head."""
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = s.recv(65536)
-            assert chunk, "closed by the server"
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:])
-        length = int(next(v for k, v in fields.items() if k.strip().lower() == b"content-length"))
-        while len(body) < length:
-            chunk = s.recv(65536)
-            assert chunk, "closed by the server"
-            body += chunk
-        return head
-
-    def closed(s: socket.socket) -> bool:
-        try:
-            return s.recv(1) == b""
-        except ConnectionResetError:
-            return True
 
     try:
         port = int(lh.http_address().rsplit(":", 1)[1])  # type: ignore[union-attr]
