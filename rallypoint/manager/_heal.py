@@ -42,7 +42,7 @@ def unguarded_transport(transport: object, metadata: str, token: str | None) -> 
     if not metadata.lower().startswith(("http://", "https://")):
         return None
     return (f"checkpoint_transport {cls.__module__}.{cls.__qualname__} is not rallypoint's: the job token does "
-            f"not guard its server ({metadata}), so anyone who reaches it can fetch this replica's state "
+            f"not guard its server ({metadata[:200]}), so anyone who reaches it can fetch this replica's state "
             "(leave checkpoint_transport unset for rallypoint's HTTPTransport, which checks the token)")
 
 
