@@ -26,24 +26,23 @@ def wanted_soft_limit(soft: int, hard: int, infinity: int, cap: int = MAX_SOFT_L
     return soft if soft == infinity else max(soft, target)
 
 
-def raise_open_file_limit() -> tuple[int, int]:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit (see the module docstring);
-    ``(before, after)``. Where the platform has no such limit or refuses, nothing changes."""
+def raise_open_file_limit() -> None:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (see the module docstring).
+    Where the platform has no such limit or refuses, nothing changes."""
     try:
         import resource
     except ImportError:  # pragma: no cover - not POSIX
-        return (-1, -1)
+        return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = wanted_soft_limit(soft, hard, resource.RLIM_INFINITY)
     if want == soft:
-        return (soft, soft)
+        return
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     except (ValueError, OSError) as exc:  # pragma: no cover - a platform that refuses
         logger.debug("could not raise the open-file limit from %d to %d: %s", soft, want, exc)
-        return (soft, soft)
+        return
     logger.debug("raised the open-file limit from %d to %d", soft, want)
-    return (soft, want)
 
 
 __all__ = ["MAX_SOFT_LIMIT", "raise_open_file_limit", "wanted_soft_limit"]

@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import grpc
 
-from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net import __version__
 from rallypoint._net.auth import job_token
+from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net.job import DEFAULT_JOB, check_job
 from rallypoint._net.rpc import server_options
 from rallypoint._net.tls import TlsConfig, add_port, check_server, tls_config

@@ -43,8 +43,8 @@ from typing import Any, Callable
 import grpc
 
 from rallypoint._proto import torchft_pb2 as pb
-from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net.auth import TokenInterceptor, job_token
+from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES, MAX_REASON_BYTES, MAX_REPLICA_ID_BYTES, utf8_len
 from rallypoint._net.rpc import seconds, server_options, unary_handler
 from rallypoint._net.tls import TlsConfig, add_port, check_server, tls_config

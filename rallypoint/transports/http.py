@@ -60,9 +60,9 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from rallypoint._net.fds import raise_open_file_limit
-from rallypoint._net.auth import bearer_matches, job_token
 from rallypoint._net.addr import is_loopback
+from rallypoint._net.auth import bearer_matches, job_token
+from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net.tls import TlsConfig, check_server, client_ssl_context, server_ssl_context, tls_config
 from rallypoint.transports import wire
 from rallypoint.transports._http_recv import Receive
@@ -199,7 +199,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._url = f"{self._tls.scheme()}://{shown}:{self._port}"
         self._server = CheckpointServer(self._sock, self._route, ssl_context=server_ctx, name=f"checkpoint:{self._port}",
                                         header_timeout=self.HEADER_TIMEOUT_S, max_connections=self.MAX_CONNECTIONS,
-                                        authorize=self._authorized if self._token is not None else None)
+                                        authorize=self._authorized)
         logger.info("checkpoint HTTP transport serving on %s", self._url)
 
     # ------------------------------------------------------------------ serving side
