@@ -4,6 +4,8 @@ itself imports no torch): ``python -m rallypoint.supervisor._store_host HOST POR
 the supervisor).
 
 One line each way:
+- the store listens on ``HOST``'s address only (a name is resolved), not on every
+  interface: on a host with several networks, only the one the ranks use reaches it;
 - once the store listens it prints ``{"port": P}`` (``{"error": "..."}`` and exit 1 if it
   cannot, e.g. the port is taken);
 - ``reset`` on stdin: close the store and open a fresh, empty one, then print
@@ -36,6 +38,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 from datetime import timedelta
@@ -100,7 +103,12 @@ def main(argv: list[str]) -> int:
     from torch.distributed import TCPStore
 
     def open_store(p: int) -> Any:
-        return TCPStore(host, p, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+        # Listen on ``host``'s address only (TCPStore alone would listen on every interface).
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listen = socket.create_server((host, p), family=family, backlog=512)
+        bound = listen.getsockname()[1]
+        return TCPStore(host, bound, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300),
+                        master_listen_fd=listen.detach())
 
     try:
         store = open_store(port)

@@ -16,6 +16,8 @@ from rallypoint.supervisor.policy import RestartPolicy
 USAGE_EXIT = 2
 HANG_TIMEOUT_S = 300.0
 STANDBY_DELAY_S = 10.0
+RDZV_TIMEOUT_S = 600.0
+RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
 
 DESCRIPTION = """\
 Start the ranks of one replica group (where torchrun was) and keep the group running:
@@ -32,7 +34,16 @@ seconds is hung: its stacks (and its group's) are dumped to the log and the grou
 restarted as for a crash. Restarts are logged as JSON lines and reported to the
 lighthouse (its /events). SIGTERM or SIGINT stops the ranks (SIGTERM, then SIGKILL
 after --grace-period) and exits 128+signal; the supervisor exits 0 when every rank
-exited 0. A usage error exits 2 before anything starts."""
+exited 0. A usage error exits 2 before anything starts.
+
+A replica group that spans hosts: run `rallypoint run --nnodes N --rdzv-endpoint HOST:PORT`
+on each of its N nodes, as torchrun (--node-rank R on every node or on none). The nodes'
+supervisors meet through torch.distributed.elastic's rendezvous (c10d by default: the node
+whose --local-addr is the endpoint's host hosts it); node rank 0 hosts the group's store.
+A rank that fails or hangs on any node restarts the group on every node; a node that is
+lost (its host gone) makes the others wait, up to --rdzv-timeout, for it or a replacement
+with the same --node-rank. Nodes that disagree (--nnodes, --nproc-per-node, a --node-rank
+claimed twice) exit 2; a rendezvous that cannot form in time exits 1."""
 
 
 class UsageError(ValueError):
@@ -57,6 +68,19 @@ class RunConfig:
     standby: bool = True
     preload: tuple[str, ...] = ()
     standby_delay_s: float = STANDBY_DELAY_S
+    nnodes: int = 1
+    node_rank: int = -1  # -1: not given (the rendezvous numbers the nodes)
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = ""
+    rdzv_timeout_s: float = RDZV_TIMEOUT_S
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    local_addr: str = ""
+
+    @property
+    def multinode(self) -> bool:
+        """Does the group span more than one node (a rendezvous between supervisors)?"""
+        return self.nnodes > 1
 
 
 def _flag(p: argparse.ArgumentParser, name: str, **kw: object) -> None:
@@ -101,10 +125,27 @@ def add_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
           help="start the standbys once every rank has committed a step, or S seconds after the group started, "
                f"whichever is first, so their imports do not slow the group's own start ({STANDBY_DELAY_S:g})")
     _flag(p, "master-addr", default="127.0.0.1", metavar="HOST",
-          help="MASTER_ADDR the ranks reach the group's store at (127.0.0.1; it listens on every interface)")
+          help="MASTER_ADDR the ranks reach the group's store at, and the only address it listens on (127.0.0.1; "
+               "with --nnodes > 1 the store of node rank 0 is used, at its --local-addr)")
     _flag(p, "master-port", type=int, default=0, metavar="PORT", help="the store's port (0: one the OS picks)")
     p.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility; no effect")
-    p.add_argument("--nnodes", default="1", help="accepted for torchrun compatibility; must be 1")
+    p.add_argument("--nnodes", default="1", metavar="N",
+                   help="nodes (hosts) in this replica group, N or N:N (1); more than 1 needs --rdzv-endpoint")
+    _flag(p, "node-rank", type=int, default=None, metavar="R",
+          help="this node's rank in the group, 0..N-1, on every node or on none (none: the rendezvous numbers them)")
+    _flag(p, "rdzv-endpoint", default="", metavar="HOST:PORT",
+          help="where the nodes of the group meet (c10d: the host of this address hosts the rendezvous store)")
+    _flag(p, "rdzv-backend", default="c10d", choices=RDZV_BACKENDS, help="torch elastic's rendezvous backend (c10d)")
+    _flag(p, "rdzv-id", default=None, metavar="ID",
+          help="the rendezvous' id, the same on every node of the group (rallypoint-<replica group id>)")
+    _flag(p, "rdzv-timeout", type=float, default=RDZV_TIMEOUT_S, metavar="S",
+          help=f"give up (exit 1) when the group's nodes have not all met within S seconds ({RDZV_TIMEOUT_S:g})")
+    _flag(p, "rdzv-conf", default="", metavar="K=V,...",
+          help="torch's rendezvous settings (join_timeout, keep_alive_interval, is_host, ...) plus sync_interval, "
+               "the rendezvous' poll in seconds (0.05)")
+    _flag(p, "local-addr", default=None, metavar="HOST",
+          help="the address the other nodes reach this node at (its store, the rendezvous); default: the host's "
+               "fully qualified name")
     p.add_argument("-m", "--module", action="store_true", help="run the target as a module, as python -m does")
     p.add_argument("target", metavar="script.py", help="the training script (or module, with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -140,13 +181,82 @@ def _check_preload(raw: str, target: str, module: bool) -> tuple[str, ...]:
     return names
 
 
+def parse_nnodes(raw: str) -> int:
+    """``--nnodes N`` or ``N:N`` (torchrun's elastic ``MIN:MAX``, fixed here: a replica
+    group has a fixed shape; elasticity is across groups)."""
+    lo, sep, hi = str(raw).partition(":")
+    try:
+        n, m = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise UsageError(f"--nnodes {raw!r} is not a number of nodes (N or N:N)") from None
+    if n != m:
+        raise UsageError(f"--nnodes {raw}: a replica group has a fixed number of nodes (N or N:N); the job grows "
+                         "and shrinks by whole replica groups instead")
+    if n < 1:
+        raise UsageError(f"--nnodes must be at least 1, not {raw}")
+    return n
+
+
+def parse_rdzv_conf(raw: str) -> dict[str, str]:
+    """``--rdzv-conf k1=v1,k2=v2`` (torchrun's form)."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--rdzv-conf: {item!r} is not KEY=VALUE")
+        out[key.strip()] = value.strip()
+    for key in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat", "keep_alive_interval",
+                "keep_alive_max_attempt", "sync_interval"):
+        if key in out:
+            try:
+                ok = float(out[key]) >= 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise UsageError(f"--rdzv-conf {key}={out[key]!r} is not a non-negative number")
+    return out
+
+
+def _node_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The multi-node part of the command line, validated."""
+    nnodes = parse_nnodes(args.nnodes)
+    node_rank = -1 if args.node_rank is None else args.node_rank
+    if nnodes == 1:
+        if node_rank > 0:
+            raise UsageError(f"--node-rank {node_rank} with --nnodes 1: a group of one node has only node rank 0")
+        return {}
+    if not args.rdzv_endpoint and args.rdzv_backend != "static":
+        raise UsageError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node of the group "
+                         "(c10d: the host of one of them)")
+    if args.rdzv_backend == "static" and node_rank < 0:
+        raise UsageError("--rdzv-backend static needs --node-rank on every node")
+    if not -1 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank} is not in 0..{nnodes - 1} (--nnodes {nnodes})")
+    if not args.rdzv_timeout > 0:
+        raise UsageError(f"--rdzv-timeout must be positive, not {args.rdzv_timeout}")
+    from rallypoint.supervisor.nodes import split_endpoint
+
+    try:
+        host, port = split_endpoint(args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or 29400}")
+    except ValueError:
+        raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST:PORT") from None
+    if not host or not 0 <= port <= 65535:
+        raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST:PORT")
+    group = args.replica_group_id
+    rdzv_id = args.rdzv_id or f"rallypoint-{group if group is not None else 'default'}"
+    import socket
+
+    return {"nnodes": nnodes, "node_rank": node_rank, "rdzv_backend": args.rdzv_backend,
+            "rdzv_endpoint": f"{host}:{port}" if ":" not in host else f"[{host}]:{port}", "rdzv_id": rdzv_id,
+            "rdzv_timeout_s": args.rdzv_timeout, "rdzv_conf": parse_rdzv_conf(args.rdzv_conf),
+            "local_addr": args.local_addr or socket.getfqdn()}
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Validate the parsed command line; ``UsageError`` names the problem."""
     if args.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, not {args.nproc_per_node}")
-    if str(args.nnodes) not in ("1", "1:1"):
-        raise UsageError(f"--nnodes {args.nnodes}: rallypoint run starts the ranks of one replica group on one host; "
-                         "run one `rallypoint run` per replica group (each its own --replica-group-id)")
+    nodes = _node_flags(args)
     if not 0 <= args.master_port <= 65535:
         raise UsageError(f"--master-port {args.master_port} is not in 0..65535")
     for flag, value in (("--max-restarts", args.max_restarts), ("--restart-backoff", args.restart_backoff),
@@ -175,7 +285,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         standby=args.standby,
         preload=preload,
         standby_delay_s=args.standby_delay,
+        **nodes,  # type: ignore[arg-type]
     )
 
 
-__all__ = ["HANG_TIMEOUT_S", "STANDBY_DELAY_S", "RunConfig", "USAGE_EXIT", "UsageError", "add_run_parser", "config_from_args"]
+__all__ = ["RDZV_BACKENDS", "RDZV_TIMEOUT_S", "parse_nnodes", "parse_rdzv_conf", "HANG_TIMEOUT_S", "STANDBY_DELAY_S", "RunConfig", "USAGE_EXIT", "UsageError", "add_run_parser", "config_from_args"]

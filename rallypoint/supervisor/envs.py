@@ -1,12 +1,14 @@
 """The environment of each rank, as a pure function (torchrun's variables plus
 rallypoint's), and the per-rank log prefix.
 
-What a rank sees, with ``--nproc-per-node N``:
+What a rank sees, with ``--nproc-per-node P`` on each of ``--nnodes N`` nodes, this node
+being the group's node ``G`` (``GROUP_RANK``):
 
-- torchrun's: ``RANK`` = ``LOCAL_RANK`` = ``ROLE_RANK`` (0..N-1), ``WORLD_SIZE`` =
-  ``LOCAL_WORLD_SIZE`` = ``ROLE_WORLD_SIZE`` = N, ``GROUP_RANK`` 0, ``GROUP_WORLD_SIZE`` 1,
-  ``ROLE_NAME`` ``default``, ``MASTER_ADDR`` / ``MASTER_PORT`` (the group's store, hosted
-  by the supervisor), ``TORCHELASTIC_RESTART_COUNT`` (the incarnation: 0, 1, ...; the
+- torchrun's: ``LOCAL_RANK`` (0..P-1), ``RANK`` = ``ROLE_RANK`` = G*P + ``LOCAL_RANK``,
+  ``WORLD_SIZE`` = ``ROLE_WORLD_SIZE`` = N*P, ``LOCAL_WORLD_SIZE`` = P, ``GROUP_RANK`` G,
+  ``GROUP_WORLD_SIZE`` N, ``ROLE_NAME`` ``default``, ``TORCHELASTIC_RUN_ID`` (the
+  rendezvous id, multi-node only), ``MASTER_ADDR`` / ``MASTER_PORT`` (the group's store,
+  hosted by the supervisor of node 0), ``TORCHELASTIC_RESTART_COUNT`` (the incarnation: 0, 1, ...; the
   Manager's store keys are prefixed by it), ``TORCHELASTIC_MAX_RESTARTS``, and
   ``TORCHELASTIC_USE_AGENT_STORE=True`` so that ``torch.distributed.init_process_group``
   (env://) connects to that store instead of hosting one on ``MASTER_PORT``;
@@ -41,6 +43,9 @@ class GroupSpec:
     group_id: str | None = None
     lighthouse: str | None = None
     max_restarts: int = 0
+    nnodes: int = 1
+    group_rank: int = 0  # this node's rank among the group's nodes
+    run_id: str | None = None  # the rendezvous id (multi-node groups)
 
 
 def rank_env(
@@ -53,16 +58,19 @@ def rank_env(
 ) -> dict[str, str]:
     """The environment of ``rank`` in ``incarnation`` (see the module docstring)."""
     env = dict(base)
-    n = str(spec.nproc)
+    n, world = str(spec.nproc), str(spec.nproc * spec.nnodes)
+    g = str(spec.group_rank * spec.nproc + rank)
     env.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank),
-        "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n, "ROLE_WORLD_SIZE": n,
-        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+        "RANK": g, "LOCAL_RANK": str(rank), "ROLE_RANK": g,
+        "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": n, "ROLE_WORLD_SIZE": world,
+        "GROUP_RANK": str(spec.group_rank), "GROUP_WORLD_SIZE": str(spec.nnodes), "ROLE_NAME": "default",
         "MASTER_ADDR": spec.master_addr, "MASTER_PORT": str(spec.master_port),
         "TORCHELASTIC_RESTART_COUNT": str(incarnation),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     })  # fmt: skip
+    if spec.run_id is not None:
+        env["TORCHELASTIC_RUN_ID"] = spec.run_id
     if spec.nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -50,6 +50,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -60,14 +61,17 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from rallypoint.supervisor._procs import Lifeline, RankProcess, StoreHost, Wakeup
+from rallypoint.supervisor._rendezvous import NodeRendezvous, RdzvConfig
 from rallypoint.supervisor._report import EventReporter
 from rallypoint.supervisor._standby import StandbyPool
 from rallypoint.supervisor.args import USAGE_EXIT, RunConfig, UsageError, config_from_args
 from rallypoint.supervisor.envs import READY_ENV, GroupSpec, log_prefix, rank_env
+from rallypoint.supervisor.nodes import NodeInfo, RoundPlan
 from rallypoint.supervisor.policy import (
-    DONE, FAILED, after_failure, describe_exit, first_failure, group_state, hung_ranks, made_progress,
-    parse_progress, poll_period, progress_change_time, standby_start_due, stop_exit_code, watch_wait,
+    DONE, FAILED, after_failure, describe_exit, first_failure, group_state, made_progress, standby_start_due,
+    stop_exit_code,
 )  # fmt: skip
+from rallypoint.supervisor._watch import ProgressWatch
 
 log = logging.getLogger("rallypoint.run")
 
@@ -83,8 +87,9 @@ STANDBY_POLL_S = 0.2  # how often the loop looks whether the standbys are due
 class _End:
     """How an incarnation ended: ``done``, ``failed`` (``rank``, ``returncode``), ``hang``
     (``rank``, the one silent longest; ``hung``, every rank past the timeout; ``silent_s``;
-    ``last_step``), ``signal`` (``signum``: a stop was requested) or ``store`` (the store
-    host died)."""
+    ``last_step``), ``signal`` (``signum``: a stop was requested), ``store`` (the store
+    host died) or ``peer`` (another node of the group ended the incarnation, or is lost:
+    ``reason``)."""
 
     kind: str
     rank: int = -1
@@ -93,53 +98,7 @@ class _End:
     hung: tuple[int, ...] = ()
     silent_s: float = 0.0
     last_step: int | None = None
-
-
-class _ProgressWatch:
-    """The hang watchdog's view of one incarnation: each rank's progress file, looked at
-    from the main loop (``check``) at most every poll period, and when it changed. The
-    rules are ``policy``'s."""
-
-    def __init__(self, paths: list[str], timeout_s: float, now: float) -> None:
-        self._paths, self.timeout_s = paths, timeout_s
-        self._period = poll_period(timeout_s) or 0.0
-        self._seen: list[tuple[int, int, bytes] | None] = [None] * len(paths)
-        self.last_change: list[float | None] = [None] * len(paths)
-        self.steps: list[int | None] = [None] * len(paths)
-        self._polled = self._next = now
-
-    def wait(self, now: float) -> float:
-        """How long the main loop may sleep before the next ``check``."""
-        w = watch_wait(now, self.last_change, self.timeout_s)
-        return max(0.0, min(self._next - now, self.timeout_s if w is None else w))
-
-    def forget(self, rank: int) -> None:
-        """A rank that exited is no longer timed."""
-        self.last_change[rank] = None
-
-    def check(self, now: float, exited: list[bool]) -> list[int]:
-        """Look at the files if a poll or a deadline is due; the hung ranks, longest silent first."""
-        if now >= self._next or hung_ranks(now, self.last_change, self.timeout_s):
-            self._poll(now, exited)
-        return hung_ranks(now, self.last_change, self.timeout_s)
-
-    def _poll(self, now: float, exited: list[bool]) -> None:
-        wall = time.time()
-        for rank, path in enumerate(self._paths):
-            if exited[rank]:
-                continue
-            try:
-                with open(path, "rb") as f:
-                    st, content = os.fstat(f.fileno()), f.read(64)
-            except OSError:
-                continue  # no report yet
-            sig = (st.st_ino, st.st_mtime_ns, content)
-            if sig != self._seen[rank]:
-                self._seen[rank] = sig
-                self.steps[rank], finished = parse_progress(content)
-                self.last_change[rank] = None if finished else progress_change_time(
-                    now, self._polled, wall - st.st_mtime_ns / 1e9)
-        self._polled, self._next = now, now + self._period
+    reason: str = ""
 
 
 class Supervisor:
@@ -156,11 +115,19 @@ class Supervisor:
         self._rundir = tempfile.mkdtemp(prefix="rallypoint-run-")
         self._store: StoreHost | None = None
         self._spec: GroupSpec | None = None  # set once the store listens; its port may move at a restart
+        self._store_port = 0  # this node's store's port now (multi-node: the group's if this is node 0)
         self._ranks: list[RankProcess] = []
         self._stop_signal = 0
         self._streak = 0  # consecutive failed incarnations without progress
         self._reports_seen = False  # has any incarnation reported a committed step?
         self._name = "replica group" + (f" {cfg.group_id}" if cfg.group_id is not None else "")
+        self._rdzv: NodeRendezvous | None = None
+        self._node = cfg.node_rank  # this node's rank in the group (multi-node; -1 until a round says)
+        if cfg.multinode:
+            self._name += f" (node {cfg.node_rank if cfg.node_rank >= 0 else '?'} of {cfg.nnodes})"
+            self._rdzv = NodeRendezvous(RdzvConfig(cfg.rdzv_backend, cfg.rdzv_endpoint, cfg.rdzv_id, cfg.nnodes,
+                                                   cfg.rdzv_timeout_s, cfg.local_addr, dict(cfg.rdzv_conf)),
+                                        self._wake.post)
         self._reporter = EventReporter(cfg.lighthouse or self._environ.get("RALLYPOINT_LIGHTHOUSE")
                                        or self._environ.get("TORCHFT_LIGHTHOUSE"), cfg.group_id, self._environ)
         self._pool = StandbyPool(cfg.nproc, self._start_standby, self._rundir, self._name) if cfg.standby else None
@@ -177,6 +144,8 @@ class Supervisor:
             if self._pool is not None:
                 self._pool.close()
             self._reporter.close(2.0)
+            if self._rdzv is not None:
+                self._rdzv.stop_watch()
             if self._store is not None:
                 self._store.close()
             for s, h in handlers.items():
@@ -189,6 +158,8 @@ class Supervisor:
         self._wake.post("signal", signum)
 
     def _event(self, kind: str, level: int = logging.INFO, **fields: Any) -> None:
+        if self.cfg.multinode:
+            fields = {**fields, "node": self._node, "nnodes": self.cfg.nnodes}
         log.log(level, "%s", json.dumps({"event": kind, "group": self.cfg.group_id, **fields}))
         self._reporter.post(kind, fields)
 
@@ -202,26 +173,34 @@ class Supervisor:
     # ------------------------------------------------------------------ the loop
     def _run(self) -> int:
         cfg = self.cfg
+        store_addr = cfg.local_addr if cfg.multinode else cfg.master_addr
         try:
-            self._store = StoreHost(cfg.master_addr, cfg.master_port, log_prefix(cfg.group_id, "store"),
+            self._store = StoreHost(store_addr, cfg.master_port, log_prefix(cfg.group_id, "store"),
                                     self._outputs[1], self._locks[1],
                                     on_exit=lambda rc: self._wake.post("store_exit", rc), rundir=self._rundir)
-            port = self._store.port(STORE_READY_S)
+            port = self._store_port = self._store.port(STORE_READY_S)
         except (OSError, RuntimeError, ValueError) as e:
             log.error("%s: cannot host the group's store: %s", self._name, e)
             return 1
         if cfg.master_port == 0:
             self._store.spare()
-        self._spec = GroupSpec(cfg.nproc, cfg.master_addr, port, cfg.group_id, cfg.lighthouse, cfg.policy.max_restarts)
-        log.info("%s: %d rank(s) of %s, store %s:%d, lighthouse %s", self._name, cfg.nproc, cfg.target,
-                 cfg.master_addr, port, cfg.lighthouse or "from the environment")
+        self._spec = GroupSpec(cfg.nproc, store_addr, port, cfg.group_id, cfg.lighthouse, cfg.policy.max_restarts,
+                               nnodes=cfg.nnodes, run_id=cfg.rdzv_id if cfg.multinode else None)
+        log.info("%s: %d rank(s) of %s, store %s:%d, lighthouse %s%s", self._name, cfg.nproc, cfg.target,
+                 store_addr, port, cfg.lighthouse or "from the environment",
+                 f", rendezvous {cfg.rdzv_backend} at {cfg.rdzv_endpoint} (id {cfg.rdzv_id})" if cfg.multinode else "")
         self._event("started", nproc=cfg.nproc, target=os.path.basename(cfg.target), standby=cfg.standby,
                     hang_timeout_s=cfg.hang_timeout_s)
-        incarnation, restart = 0, None
+        incarnation, restart = -1 if cfg.multinode else 0, None
         while True:
             if self._store.popen.returncode is not None:
                 log.error("%s: the store host exited (code %s); stopping", self._name, self._store.popen.returncode)
                 return 1
+            if self._rdzv is not None:
+                met = self._meet(incarnation)
+                if isinstance(met, int):
+                    return met
+                incarnation = met.incarnation
             started = time.monotonic()
             self._ranks = []
             warm: list[int] = []
@@ -237,27 +216,111 @@ class Supervisor:
                 log.error("%s: cannot start rank %d: %s", self._name, len(self._ranks), e)
                 return 1
             self._guard()
+            if self._rdzv is not None:
+                self._rdzv.watch()
             if restart is not None:
                 failed_at = restart.pop("t")
+                restart["incarnation"] = incarnation
                 self._event("restart", logging.WARNING, **restart, restart_s=round(started - failed_at, 3),
                             warm_ranks=warm, importing_ranks=importing)
             end = self._watch(incarnation, started)
             if end.kind == "signal":
                 self._stop_signal = end.signum
-                self._stop_ranks()
+                self._stop_ranks()  # a node stopped by a signal leaves the rendezvous open, as torchrun's agent
                 return self._stopped()
             if end.kind == "done":
                 self._finish_ranks()
                 log.info("%s: every rank exited 0 (incarnation %d)", self._name, incarnation)
+                if self._rdzv is not None:
+                    self._rdzv.finish()
                 return 0
             if end.kind == "store":
                 log.error("%s: the store host exited (code %d); stopping the ranks", self._name, end.returncode)
+                if self._rdzv is not None:
+                    self._rdzv.end(f"node {self._node}'s store host exited")
+                    self._rdzv.close()
                 self._stop_ranks()
                 return 1
-            outcome = self._after_failure(end, incarnation, started)
+            outcome = self._after_peer(end, incarnation, started) if end.kind == "peer" else \
+                self._after_failure(end, incarnation, started)
             if isinstance(outcome, int):
                 return outcome
-            restart, incarnation = outcome, incarnation + 1
+            restart = outcome
+            if self._rdzv is None:
+                incarnation += 1
+
+    def _meet(self, last: int) -> int | RoundPlan:
+        """Multi-node: join the group's next rendezvous round (``last``: the incarnation this
+        node ran last, -1 before the first) and take this node's place from it. The
+        round's plan, or an exit code (the round could not form, or a stop signal)."""
+        assert self._rdzv is not None and self._spec is not None and self._store is not None
+        cfg = self.cfg
+        self._rdzv.join(NodeInfo(nnodes=cfg.nnodes, nproc=cfg.nproc, node_rank=cfg.node_rank, addr=self._spec.master_addr,
+                                 store_port=self._store_port, last_incarnation=last,
+                                 hostname=socket.gethostname()[:255] or "?"))
+        log.info("%s: waiting in the rendezvous for the group's %d nodes (at most %gs)", self._name, cfg.nnodes,
+                 cfg.rdzv_timeout_s)
+        while True:
+            for ev in self._wake.wait(None):
+                self._other_event(ev)
+                if ev[0] == "signal":
+                    self._stop_signal = ev[1]
+                    return self._stopped()
+                if ev[0] == "store_exit":
+                    log.error("%s: the store host exited (code %s); stopping", self._name, ev[1])
+                    return 1
+                if ev[0] == "round_error":
+                    log.error("%s: %s", self._name, ev[1])
+                    self._event("gave_up", logging.ERROR, reason=ev[1][:500])
+                    return int(ev[2])
+                if ev[0] == "round":
+                    plan: RoundPlan = ev[1]
+                    self._node = plan.group_rank
+                    self._name = self._name.split(" (node ")[0] + f" (node {plan.group_rank} of {plan.nnodes})"
+                    self._spec = dataclasses.replace(self._spec, master_addr=plan.master_addr,
+                                                     master_port=plan.master_port, group_rank=plan.group_rank)
+                    log.info("%s: the group's nodes met: incarnation %d, ranks %d..%d of %d, store %s:%d",
+                             self._name, plan.incarnation, plan.global_rank(0), plan.global_rank(cfg.nproc - 1),
+                             plan.world_size, plan.master_addr, plan.master_port)
+                    return plan
+
+    def _after_peer(self, end: _End, incarnation: int, started: float) -> int | dict[str, Any]:
+        """Multi-node: another node ended the incarnation (a rank failed or hung there, or
+        the node is lost): stop this node's ranks and take a fresh store; the next round
+        restarts the group. Not a failure of this node: the crash-loop count only resets
+        when the incarnation made progress."""
+        failed_at = time.monotonic()
+        log.warning("%s: %s; stopping this node's ranks to restart the group (incarnation %d)", self._name,
+                    end.reason, incarnation)
+        self._stop_ranks()
+        committed = self._committed(incarnation)
+        self._reports_seen = self._reports_seen or committed
+        if committed:
+            self._streak = 0
+        if self._stop_signal:
+            return self._stopped()
+        fresh = self._fresh_store()
+        if isinstance(fresh, int):
+            return fresh
+        return {"failed_incarnation": incarnation, "rank": None, "cause": "peer", "reason": end.reason[:300],
+                "uptime_s": round(failed_at - started, 3), "progress": committed, "streak": self._streak,
+                "backoff_s": 0.0, "t": failed_at}
+
+    def _fresh_store(self) -> int | None:
+        """Fresh keys for the next incarnation: the spare store on the other port, or
+        (``--master-port``) the same port reopened. None, or the exit code when it failed."""
+        assert self._store is not None and self._spec is not None
+        try:
+            port = self._store.next(STORE_READY_S) if self.cfg.master_port == 0 else self._store.reset(STORE_READY_S)
+        except (RuntimeError, ValueError) as e:
+            log.error("%s: cannot reset the group's store: %s", self._name, e)
+            return 1
+        if port != self._spec.master_port and self.cfg.master_port:
+            log.warning("%s: the group's store moved to port %d (port %d was taken)", self._name, port,
+                        self._spec.master_port)
+        self._store_port = port
+        self._spec = dataclasses.replace(self._spec, master_port=port)
+        return None
 
     def _after_failure(self, end: _End, incarnation: int, started: float) -> int | dict[str, Any]:
         """A rank failed: stop the others, apply the restart rule, reset the store and
@@ -270,11 +333,15 @@ class Supervisor:
                         "(rank(s) %s past --hang-timeout %g); dumping the group's Python stacks to its log, then "
                         "SIGKILL to the hung rank(s) and stopping the others", self._name, end.rank, end.silent_s,
                         end.last_step, uptime, incarnation, list(end.hung), self.cfg.hang_timeout_s)
+            if self._rdzv is not None:
+                self._rdzv.end(f"node {self._node} rank {end.rank} hung")
             self._dump_stacks()
             for r in end.hung:
                 self._ranks[r].signal(signal.SIGKILL, group=True)
         else:
             cause = describe_exit(end.returncode)
+            if self._rdzv is not None:  # the other nodes stop their ranks now, not after ours stopped
+                self._rdzv.end(f"node {self._node} rank {self._ranks[end.rank].rank} failed ({cause})")
             self._ranks[end.rank].drain(0.5)
             log.warning("%s: rank %d failed (%s) %.1fs into incarnation %d; stopping the other ranks",
                         self._name, end.rank, cause, uptime, incarnation)
@@ -298,19 +365,12 @@ class Supervisor:
             log.error("rallypoint run: giving up on %s: %s; the last failure was rank %d (%s) %.1fs after its "
                       "start. See the ranks' output above, fix the cause and start the group again.",
                       self._name, decision.reason, end.rank, cause, uptime)
+            if self._rdzv is not None:  # the other nodes waiting for the next round give up too
+                self._rdzv.close()
             return GAVE_UP_EXIT
-        assert self._store is not None
-        try:  # fresh keys: the spare store on the other port, or (--master-port) the same port reopened
-            port = self._store.next(STORE_READY_S) if self.cfg.master_port == 0 else self._store.reset(STORE_READY_S)
-        except (RuntimeError, ValueError) as e:
-            log.error("%s: cannot reset the group's store: %s", self._name, e)
-            return 1
-        assert self._spec is not None
-        if port != self._spec.master_port:
-            if self.cfg.master_port:
-                log.warning("%s: the group's store moved to port %d (port %d was taken)", self._name, port,
-                            self._spec.master_port)
-            self._spec = dataclasses.replace(self._spec, master_port=port)
+        fresh = self._fresh_store()
+        if isinstance(fresh, int):
+            return fresh
         log.info("%s: restarting in %.2fs (%s)", self._name, decision.backoff_s, decision.reason)
         if self._sleep(decision.backoff_s):
             return self._stopped()
@@ -327,7 +387,7 @@ class Supervisor:
         process."""
         env = rank_env(self._environ, spec, rank, incarnation, self._progress_path(incarnation, rank),
                        self._lifeline.read_fd)
-        prefix = log_prefix(self.cfg.group_id, rank)
+        prefix = log_prefix(self.cfg.group_id, spec.group_rank * spec.nproc + rank)
         standby = self._pool.take(rank) if self._pool is not None else None
         if standby is not None and standby.activate(env, incarnation, prefix):
             return standby
@@ -341,7 +401,7 @@ class Supervisor:
         env = rank_env(self._environ, self._spec, rank, (self._ranks[0].incarnation or 0) + 1 if self._ranks else 0,
                        None, self._lifeline.read_fd)
         env[READY_ENV] = ready_path
-        return RankProcess(self._argv(True), env, rank, None, log_prefix(self.cfg.group_id, f"r{rank} standby"),
+        return RankProcess(self._argv(True), env, rank, None, log_prefix(self.cfg.group_id, f"r{self._spec.group_rank * self._spec.nproc + rank} standby"),
                            self._wake, self._lifeline, self._outputs, self._locks)
 
     def _guard(self) -> None:
@@ -374,7 +434,7 @@ class Supervisor:
         order: list[tuple[int, int]] = []
         watch = None
         if self.cfg.hang_timeout_s > 0:
-            watch = _ProgressWatch([self._progress_path(incarnation, r) for r in range(self.cfg.nproc)],
+            watch = ProgressWatch([self._progress_path(incarnation, r) for r in range(self.cfg.nproc)],
                                    self.cfg.hang_timeout_s, time.monotonic())
         while True:
             stop = 0
@@ -389,6 +449,8 @@ class Supervisor:
                     stop = stop or ev[1]
                 elif ev[0] == "store_exit":
                     return _End("store", returncode=ev[1])
+                elif ev[0] == "peer":
+                    return _End("peer", reason=ev[1])
             if stop:
                 return _End("signal", signum=stop)
             state = group_state(codes)

@@ -1,0 +1,324 @@
+"""How the supervisors of one replica group that spans hosts meet: a thin shell over
+torch.distributed.elastic's dynamic rendezvous (the engine torchrun uses), with the
+decisions in ``nodes.py``.
+
+- ``--rdzv-backend c10d`` (the default): the node whose ``--local-addr`` is the
+  ``--rdzv-endpoint``'s host (or ``is_host=1`` in ``--rdzv-conf``) hosts the rendezvous'
+  ``TCPStore``, listening on the endpoint's address only (port 0 there: one the OS picks,
+  logged); the others connect to it, retrying until ``--rdzv-timeout``. torch's
+  ``C10dRendezvousBackend`` and ``DynamicRendezvousHandler`` run the rounds. ``etcd``,
+  ``etcd-v2`` and ``static`` come from torch's handler registry as torchrun makes them.
+- Each round (``join``, on a thread: it blocks until every node arrived or the timeout)
+  is torch's ``next_rendezvous()``; then every node writes its ``NodeInfo`` to the round's
+  store and reads the others', and ``plan_round`` says where it stands. The result is
+  posted to the supervisor's event queue: ``("round", plan)`` or ``("round_error",
+  message, exit_code)``.
+- While an incarnation runs (``watch``), a thread beats every ``BEAT_S`` in the round's
+  store and reads the other nodes' beats: a node that ended the incarnation (a rank failed
+  or hung there) says so at once (``ended``), a node that finished says ``done``, and a
+  node whose beat stopped for ``lost_after_s`` (its host is gone) is lost; torch's own
+  signal, a node waiting for the next round, is looked at too. Any of these posts
+  ``("peer", reason)`` once and the supervisor restarts the group on this node too.
+- torch polls the rendezvous state once a second while it waits for the other nodes (a
+  constant in its join loop); a restart should not wait for that, so this module shortens
+  that poll to ``sync_interval`` (``--rdzv-conf sync_interval=S``, 0.05 s by default) in
+  this process, which hosts no other rendezvous, and has each poll read the shared state
+  (torch serves it from a one-second cache otherwise). With a few nodes per group that is
+  a few small reads a second while a round forms.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from rallypoint.supervisor.nodes import (
+    GAVE_UP_EXIT, NodeError, NodeInfo, RoundPlan, give_up_message, plan_round, split_endpoint, stale_peers,
+)  # fmt: skip
+
+log = logging.getLogger("rallypoint.run")
+
+BEAT_S = 0.05  # how often a node beats and looks at the others while its ranks run
+WAITING_POLL_S = 1.0  # how often it asks torch whether a node waits for the next round
+EXCHANGE_TIMEOUT_S = 60.0  # the longest wait for the other nodes' facts once a round formed
+EXIT_BARRIER_S = 60.0  # how long the rendezvous host waits for the other nodes to finish
+PREFIX = "rallypoint/"
+
+
+@dataclass(frozen=True)
+class RdzvConfig:
+    """The rendezvous part of a ``rallypoint run`` command line."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    nnodes: int
+    timeout_s: float
+    local_addr: str
+    conf: dict[str, str] = field(default_factory=dict)
+
+
+def _addresses(host: str) -> set[str]:
+    try:
+        return {str(ai[4][0]) for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return set()
+
+
+def hosts_endpoint(cfg: RdzvConfig) -> bool:
+    """Does this node host the c10d rendezvous store? ``is_host`` in ``--rdzv-conf``
+    decides when given; otherwise this node does when its ``--local-addr`` and the
+    endpoint's host name the same address."""
+    if "is_host" in cfg.conf:
+        return cfg.conf["is_host"].lower() in ("1", "true", "yes")
+    host, _ = split_endpoint(cfg.endpoint)
+    return host == cfg.local_addr or bool(_addresses(host) & _addresses(cfg.local_addr))
+
+
+def _shorten_sync_poll(interval: float) -> None:
+    """torch's join loop sleeps ``_delay(seconds=1)`` between polls of the shared state;
+    make that ``interval`` (the first round's random skew, a tuple, stays as it is)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    original = getattr(dr, "_rallypoint_original_delay", None) or getattr(dr, "_delay", None)
+    if original is None:
+        return
+
+    def delay(seconds: float | tuple[float, float]) -> None:
+        original(interval if seconds == 1 else seconds)
+
+    dr._rallypoint_original_delay = original  # type: ignore[attr-defined]
+    dr._delay = delay
+
+
+class NodeRendezvous:
+    """This node's side of the group's rendezvous; see the module docstring."""
+
+    def __init__(self, cfg: RdzvConfig, post: Callable[..., None]) -> None:
+        self.cfg = cfg
+        self._post = post
+        self._handler: Any = None
+        self._store: Any = None  # the c10d host's own TCPStore (kept alive here)
+        self._round_store: Any = None
+        self._plan: RoundPlan | None = None
+        self._watching: threading.Event | None = None
+        self._lock = threading.Lock()
+        self.is_host = False
+
+    # --- setting up (on the join thread: it may wait up to --rdzv-timeout) ---------------
+    def _open(self) -> None:
+        if self._handler is not None:
+            return
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the group's store is ours
+        # The connect retries are ours to report, in one line; not torch's C++ stack traces (the
+        # ranks' environment was taken before this, so they keep torch's default).
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+        cfg = self.cfg
+        conf = {k: v for k, v in cfg.conf.items() if k != "sync_interval"}
+        conf.setdefault("join_timeout", str(max(1, math.ceil(cfg.timeout_s))))
+        conf.setdefault("last_call_timeout", "1")  # unused: min_nodes == max_nodes completes at once
+        conf.setdefault("keep_alive_interval", "1")
+        conf.setdefault("keep_alive_max_attempt", "5")
+        _shorten_sync_poll(float(cfg.conf.get("sync_interval", "0.05")))
+        params = RendezvousParameters(backend=cfg.backend, endpoint=cfg.endpoint, run_id=cfg.run_id,
+                                      min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, local_addr=cfg.local_addr, **conf)
+        if cfg.backend != "c10d":
+            from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+
+            self._handler = rendezvous_handler_registry.create_handler(params)
+            return
+        from torch.distributed import TCPStore
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+        host, port = split_endpoint(cfg.endpoint)
+        timeout = timedelta(seconds=cfg.timeout_s)
+        self.is_host = hosts_endpoint(cfg)
+        if self.is_host:
+            listen = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                          backlog=256)
+            port = listen.getsockname()[1]
+            self._store = TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                                   timeout=timeout, master_listen_fd=listen.detach())
+            log.info("rendezvous: this node hosts the rendezvous store at %s:%d (run id %s)", host, port, cfg.run_id)
+            store = self._store
+        else:
+            store = self._connect(TCPStore, host, port, timeout)
+        backend = C10dRendezvousBackend(store, cfg.run_id)
+        self._handler = dr.create_handler(store, backend, params)
+        holder = getattr(self._handler, "_state_holder", None)
+        if getattr(holder, "_cache_duration", None) == 1:  # see _shorten_sync_poll: each poll reads the state
+            holder._cache_duration = 0  # type: ignore[union-attr]
+
+    def _connect(self, tcp_store: Any, host: str, port: int, timeout: timedelta) -> Any:
+        """A client of the rendezvous store, trying until ``--rdzv-timeout`` (its host may
+        start later than this node); torch's own connect retries would wait up to twice
+        the timeout."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                store = tcp_store(host, port, is_master=False, timeout=timedelta(seconds=max(0.5, min(5.0, left / 3))))
+                store.set_timeout(timeout)
+                return store
+            except Exception:  # noqa: BLE001 - DistNetworkError, TimeoutError: not up yet
+                if deadline - time.monotonic() <= 0:
+                    raise
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    # --- a round ----------------------------------------------------------------------
+    def join(self, mine: NodeInfo) -> None:
+        """Start joining the next round on a thread; the outcome arrives as an event."""
+        self.stop_watch()
+        threading.Thread(target=self._join, args=(mine,), name="rendezvous", daemon=True).start()
+
+    def _join(self, mine: NodeInfo) -> None:
+        deadline = time.monotonic() + self.cfg.timeout_s
+        what = f"could not reach the rendezvous endpoint {self.cfg.endpoint}"
+        try:
+            self._open()
+            while True:
+                what = f"the group's {self.cfg.nnodes} nodes did not all arrive"
+                info = self._handler.next_rendezvous()
+                store, me = info.store, info.rank
+                what = "the nodes of the round did not all tell their facts"
+                store.set(f"{PREFIX}node/{me}", mine.to_json())
+                keys = [f"{PREFIX}node/{r}" for r in range(info.world_size)]
+                try:
+                    store.wait(keys, timedelta(seconds=max(1.0, min(EXCHANGE_TIMEOUT_S, deadline - time.monotonic()))))
+                except Exception:  # noqa: BLE001 - a node died right after the round: try the next one
+                    if time.monotonic() >= deadline:
+                        raise
+                    log.warning("rendezvous: a node of round %s left before it told its facts; joining the next round",
+                                keys)
+                    continue
+                infos = [NodeInfo.from_json(bytes(store.get(k)), f"rendezvous rank {r}") for r, k in enumerate(keys)]
+                plan = plan_round(infos, me)
+                with self._lock:
+                    self._round_store, self._plan = store, plan
+                self._post("round", plan)
+                return
+        except NodeError as e:
+            self._post("round_error", str(e), e.code)
+        except Exception as e:  # noqa: BLE001 - torch's rendezvous errors, the store's network errors
+            name = type(e).__name__
+            if "Closed" in name:
+                msg = ("rallypoint run: gave up: the group's rendezvous was closed: another node of the group finished "
+                       "or gave up (see its log); start every node again to run the group again")
+            else:
+                msg = give_up_message(what, self.cfg.nnodes, None, self.cfg.timeout_s, self.cfg.endpoint) + \
+                    f" ({name}: {str(e).splitlines()[0][:300] if str(e) else ''})"
+            self._post("round_error", msg, GAVE_UP_EXIT)
+
+    # --- while the ranks run -----------------------------------------------------------
+    def watch(self) -> None:
+        """Beat and watch the other nodes of the current round (see the module docstring)."""
+        self.stop_watch()
+        with self._lock:
+            store, plan = self._round_store, self._plan
+        if store is None or plan is None:
+            return
+        stop = threading.Event()
+        self._watching = stop
+        threading.Thread(target=self._watch, args=(store, plan, stop), name="rendezvous watch", daemon=True).start()
+
+    def stop_watch(self) -> None:
+        """Stop beating (the incarnation ended here)."""
+        if self._watching is not None:
+            self._watching.set()
+            self._watching = None
+
+    def _lost_after_s(self) -> float:
+        c = self.cfg.conf
+        return float(c.get("keep_alive_interval", "1")) * float(c.get("keep_alive_max_attempt", "5"))
+
+    def _watch(self, store: Any, plan: RoundPlan, stop: threading.Event) -> None:
+        me, n = plan.group_rank, plan.nnodes
+        lost_after = self._lost_after_s()
+        seen: list[tuple[bytes | None, float]] = [(None, time.monotonic())] * n
+        next_waiting = time.monotonic() + WAITING_POLL_S
+        try:
+            while not stop.is_set():
+                store.add(f"{PREFIX}beat/{me}", 1)
+                if store.add(f"{PREFIX}ended", 0) > 0:
+                    if not stop.is_set():
+                        why = store.get(f"{PREFIX}ended_by").decode(errors="replace")[:300] \
+                            if store.check([f"{PREFIX}ended_by"]) else "another node"
+                        self._post("peer", why)
+                    return
+                done = [store.add(f"{PREFIX}done/{g}", 0) > 0 for g in range(n)]
+                beats = [str(store.add(f"{PREFIX}beat/{g}", 0)).encode() for g in range(n)]
+                seen, lost = stale_peers(beats, seen, time.monotonic(), lost_after, me)
+                lost = [g for g in lost if not done[g]]
+                if lost and not stop.is_set():
+                    self._post("peer", f"node {lost[0]} of the group stopped beating for {lost_after:g}s "
+                                       "(its host or supervisor is gone)")
+                    return
+                if time.monotonic() >= next_waiting:
+                    next_waiting = time.monotonic() + WAITING_POLL_S
+                    if self._handler.num_nodes_waiting() > 0 and not stop.is_set():
+                        self._post("peer", "a node is waiting for the next round of the rendezvous")
+                        return
+                stop.wait(BEAT_S)
+        except Exception as e:  # noqa: BLE001 - the rendezvous store went away with its host
+            if not stop.is_set():
+                self._post("peer", f"the rendezvous store is unreachable ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+
+    def end(self, reason: str) -> None:
+        """This node's incarnation ended (a rank failed or hung here): tell the others at
+        once, before this node's ranks are even stopped."""
+        self.stop_watch()
+        with self._lock:
+            store = self._round_store
+        if store is None:
+            return
+        try:
+            store.set(f"{PREFIX}ended_by", reason.encode()[:300])
+            store.add(f"{PREFIX}ended", 1)
+        except Exception as e:  # noqa: BLE001 - they learn it from the rendezvous then
+            log.warning("rendezvous: could not tell the other nodes that this incarnation ended: %s", e)
+
+    def finish(self) -> None:
+        """Every rank here exited 0: say so; the rendezvous host waits (at most
+        ``EXIT_BARRIER_S``) for the other nodes to finish or end, since its store goes
+        away with it. Then close the rendezvous, as torchrun does after success."""
+        self.stop_watch()
+        with self._lock:
+            store, plan = self._round_store, self._plan
+        if store is not None and plan is not None:
+            try:
+                store.add(f"{PREFIX}done/{plan.group_rank}", 1)
+                deadline = time.monotonic() + EXIT_BARRIER_S
+                while self.is_host and time.monotonic() < deadline:
+                    if store.add(f"{PREFIX}ended", 0) > 0 or all(
+                            store.add(f"{PREFIX}done/{g}", 0) > 0 for g in range(plan.nnodes)):
+                        break
+                    time.sleep(BEAT_S)
+            except Exception as e:  # noqa: BLE001
+                log.warning("rendezvous: could not wait for the other nodes to finish: %s", e)
+        self.close()
+
+    def close(self) -> None:
+        """Close the rendezvous for every node (after success or giving up): a node that
+        tries to join again is told so and exits."""
+        self.stop_watch()
+        if self._handler is None:
+            return
+        try:
+            self._handler.shutdown()
+        except Exception as e:  # noqa: BLE001
+            log.debug("rendezvous: shutdown: %s", e)
+
+
+__all__ = ["BEAT_S", "NodeRendezvous", "RdzvConfig", "hosts_endpoint"]
