@@ -207,7 +207,7 @@ def test_command_line_with_torchruns_spellings(tmp_path: Path) -> None:
     (["missing.py"], "'missing.py' does not exist"),
     (["DIR"], "is a directory"),
     (["-m", "no_such_module_xyz.train"], "no module named 'no_such_module_xyz'"),
-    (["--nnodes", "2", "SCRIPT"], "one `rallypoint run` per replica group"),
+    (["--nnodes", "2", "SCRIPT"], "--nnodes 2 needs --rdzv-endpoint"),
     (["--master-port", "70000", "SCRIPT"], "not in 0..65535"),
     (["--grace-period", "-1", "SCRIPT"], "--grace-period must not be negative"),
     (["--hang-timeout", "-1", "SCRIPT"], "--hang-timeout must not be negative"),

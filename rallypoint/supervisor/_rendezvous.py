@@ -41,7 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 from rallypoint.supervisor.nodes import (
-    GAVE_UP_EXIT, NodeError, NodeInfo, RoundPlan, give_up_message, plan_round, split_endpoint, stale_peers,
+    GAVE_UP_EXIT, NodeError, NodeInfo, RoundPlan, announcement_conflict, give_up_message, plan_round, split_endpoint, stale_peers,
 )  # fmt: skip
 
 log = logging.getLogger("rallypoint.run")
@@ -49,6 +49,9 @@ log = logging.getLogger("rallypoint.run")
 BEAT_S = 0.05  # how often a node beats and looks at the others while its ranks run
 WAITING_POLL_S = 1.0  # how often it asks torch whether a node waits for the next round
 EXCHANGE_TIMEOUT_S = 60.0  # the longest wait for the other nodes' facts once a round formed
+ANNOUNCE_S = 0.25  # how often a waiting node beats its announcement and reads the others'
+ANNOUNCE_LIVE_S = 3.0  # an announcement whose beat has not changed for this long is a gone node's
+ANNOUNCE_MAX = 256  # announcements read at most (the slots a run id ever handed out)
 EXIT_BARRIER_S = 60.0  # how long the rendezvous host waits for the other nodes to finish
 PREFIX = "rallypoint/"
 
@@ -111,7 +114,9 @@ class NodeRendezvous:
         self._plan: RoundPlan | None = None
         self._watching: threading.Event | None = None
         self._lock = threading.Lock()
+        self._raw_store: Any = None  # c10d: the rendezvous store itself (for the announcements)
         self.is_host = False
+        self.endpoint = cfg.endpoint  # with the port the host listens on, once known
 
     # --- setting up (on the join thread: it may wait up to --rdzv-timeout) ---------------
     def _open(self) -> None:
@@ -150,10 +155,12 @@ class NodeRendezvous:
             port = listen.getsockname()[1]
             self._store = TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
                                    timeout=timeout, master_listen_fd=listen.detach())
-            log.info("rendezvous: this node hosts the rendezvous store at %s:%d (run id %s)", host, port, cfg.run_id)
+            self.endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            log.info("rendezvous: this node hosts the rendezvous store at %s (run id %s)", self.endpoint, cfg.run_id)
             store = self._store
         else:
             store = self._connect(TCPStore, host, port, timeout)
+        self._raw_store = store
         backend = C10dRendezvousBackend(store, cfg.run_id)
         self._handler = dr.create_handler(store, backend, params)
         holder = getattr(self._handler, "_state_holder", None)
@@ -189,7 +196,14 @@ class NodeRendezvous:
             self._open()
             while True:
                 what = f"the group's {self.cfg.nnodes} nodes did not all arrive"
-                info = self._handler.next_rendezvous()
+                announcing = threading.Event()
+                if self._raw_store is not None:
+                    threading.Thread(target=self._announce, args=(mine, announcing), name="rendezvous announce",
+                                     daemon=True).start()
+                try:
+                    info = self._handler.next_rendezvous()
+                finally:
+                    announcing.set()
                 store, me = info.store, info.rank
                 what = "the nodes of the round did not all tell their facts"
                 store.set(f"{PREFIX}node/{me}", mine.to_json())
@@ -216,9 +230,43 @@ class NodeRendezvous:
                 msg = ("rallypoint run: gave up: the group's rendezvous was closed: another node of the group finished "
                        "or gave up (see its log); start every node again to run the group again")
             else:
-                msg = give_up_message(what, self.cfg.nnodes, None, self.cfg.timeout_s, self.cfg.endpoint) + \
-                    f" ({name}: {str(e).splitlines()[0][:300] if str(e) else ''})"
+                detail = str(e).splitlines()[0][:300] if str(e).strip() else ""
+                msg = give_up_message(what, self.cfg.nnodes, None, self.cfg.timeout_s, self.endpoint) + \
+                    (f" ({name}: {detail})" if detail else "")
             self._post("round_error", msg, GAVE_UP_EXIT)
+
+    def _announce(self, mine: NodeInfo, stop: threading.Event) -> None:
+        """While this node waits for a round: announce its facts in a slot of the
+        rendezvous store, beat it, and read the live announcements of the others; a node
+        that disagrees (``nodes.announcement_conflict``) ends the wait with exit 2, on both
+        sides, instead of at --rdzv-timeout."""
+        store, key = self._raw_store, f"{PREFIX}{self.cfg.run_id}/announce"
+        try:
+            slot = int(store.add(f"{key}/count", 1)) - 1
+            store.set(f"{key}/{slot}", mine.to_json())
+            seen: dict[int, tuple[int, float]] = {}
+            while not stop.is_set():
+                store.add(f"{key}/{slot}/beat", 1)
+                now, others = time.monotonic(), []
+                count = min(int(store.add(f"{key}/count", 0)), ANNOUNCE_MAX)
+                for other in range(max(0, count - ANNOUNCE_MAX), count):
+                    if other == slot:
+                        continue
+                    beat = int(store.add(f"{key}/{other}/beat", 0))
+                    old = seen.get(other)
+                    if old is None or old[0] != beat:  # a first sight is no sign of life: wait for a change
+                        seen[other] = (beat, now if old is not None else now - ANNOUNCE_LIVE_S)
+                    if now - seen[other][1] < ANNOUNCE_LIVE_S and store.check([f"{key}/{other}"]):
+                        others.append(NodeInfo.from_json(bytes(store.get(f"{key}/{other}")), f"announcement {other}"))
+                conflict = announcement_conflict(mine, others)
+                if conflict is not None and not stop.is_set():
+                    self._post("round_error", f"rallypoint run: {conflict}", conflict.code)
+                    return
+                stop.wait(ANNOUNCE_S)
+        except NodeError as e:
+            log.warning("rendezvous: %s", e)
+        except Exception as e:  # noqa: BLE001 - only an early warning is lost; the round's own check remains
+            log.debug("rendezvous: announcements: %s", e)
 
     # --- while the ranks run -----------------------------------------------------------
     def watch(self) -> None:

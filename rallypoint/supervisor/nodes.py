@@ -118,13 +118,12 @@ def plan_round(infos: Sequence[NodeInfo], me: int) -> RoundPlan:
     on some nodes only, out of range, or claimed twice."""
     mine = infos[me]
     n = len(infos)
-    for i, info in enumerate(infos):
-        if info.nnodes != mine.nnodes or info.nnodes != n:
-            raise NodeError(f"{_node(i, info)} was started with --nnodes {info.nnodes}, this node with --nnodes "
-                            f"{mine.nnodes} ({n} met); start every node of the group with the same --nnodes")
-        if info.nproc != mine.nproc:
-            raise NodeError(f"{_node(i, info)} was started with --nproc-per-node {info.nproc}, this node with "
-                            f"{mine.nproc}; every node of a replica group runs the same number of ranks")
+    for flag, attr in (("--nnodes", "nnodes"), ("--nproc-per-node", "nproc")):
+        values = [getattr(info, attr) for info in infos]
+        if len(set(values)) > 1 or (attr == "nnodes" and values[0] != n):
+            each = ", ".join(f"{_node(i, info)} {flag} {v}" for i, (info, v) in enumerate(zip(infos, values)))
+            raise NodeError(f"the group's nodes were started with different {flag} ({n} met): {each}; start every "
+                            f"node of the replica group with the same {flag}")
     given = [info.node_rank >= 0 for info in infos]
     if any(given) and not all(given):
         without = next(i for i, g in enumerate(given) if not g)
@@ -147,6 +146,24 @@ def plan_round(infos: Sequence[NodeInfo], me: int) -> RoundPlan:
     return RoundPlan(group_rank=order.index(me), nnodes=n, nproc=mine.nproc,
                      incarnation=max(info.last_incarnation for info in infos) + 1,
                      master_addr=master.addr, master_port=master.store_port, order=order)
+
+
+def announcement_conflict(mine: NodeInfo, others: Sequence[NodeInfo]) -> NodeError | None:
+    """While nodes wait for a round, each announces its facts; nodes that disagree on
+    ``--nnodes`` could otherwise wait forever (torch completes a round by each node's own
+    ``--nnodes``, and theirs never agree). The first disagreement with a live node's
+    announcement (another ``--nnodes`` or ``--nproc-per-node``, or this node's
+    ``--node-rank`` claimed by another host), as the error to exit with; None if none."""
+    for other in others:
+        for flag, attr in (("--nnodes", "nnodes"), ("--nproc-per-node", "nproc")):
+            if getattr(other, attr) != getattr(mine, attr):
+                return NodeError(f"the group's nodes were started with different {flag}: {_node(0, mine)} (this node) "
+                                 f"{flag} {getattr(mine, attr)}, {_node(1, other)} {flag} {getattr(other, attr)}; "
+                                 f"start every node of the replica group with the same {flag}")
+        if mine.node_rank >= 0 and other.node_rank == mine.node_rank:
+            return NodeError(f"--node-rank {mine.node_rank} is claimed twice: by {mine.hostname} ({mine.addr}, this "
+                             f"node) and by {other.hostname} ({other.addr}); give each node its own --node-rank")
+    return None
 
 
 def stale_peers(beats: Sequence[bytes | None], seen: Sequence[tuple[bytes | None, float]], now: float,
@@ -185,6 +202,6 @@ def give_up_message(what: str, nnodes: int, met: int | None, timeout_s: float, e
 
 
 __all__ = [
-    "ADDR_MAX", "GAVE_UP_EXIT", "NODE_INFO_MAX_BYTES", "USAGE_EXIT", "NodeError", "NodeInfo", "RoundPlan",
+    "ADDR_MAX", "announcement_conflict", "GAVE_UP_EXIT", "NODE_INFO_MAX_BYTES", "USAGE_EXIT", "NodeError", "NodeInfo", "RoundPlan",
     "give_up_message", "global_rank", "plan_round", "split_endpoint", "stale_peers",
 ]
