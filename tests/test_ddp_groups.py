@@ -213,3 +213,145 @@ def test_bad_setups_are_refused_with_what_to_do(default: Any, manager: Any, envi
     with pytest.raises(ValueError) as err:
         plan_group(None, default, manager, environ)
     assert says in str(err.value)
+
+
+# ---------------------------------------------------------------- real groups under `rallypoint run`
+
+#: A user's training script: only the public API, nothing that averages inside the group.
+TRAIN = textwrap.dedent(
+    """
+    import hashlib, json, os, sys, time
+    from datetime import timedelta
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    import rallypoint
+
+    out, stop = sys.argv[1], sys.argv[2]
+    gid, rank, world = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    inc = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    torch.manual_seed(10 * rank + inc)  # every rank and start differs: DDP's broadcast and the heal must agree them
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(4096, 8, generator=gen), torch.randn(4096, 2, generator=gen))
+    sampler = rallypoint.DistributedSampler(data, replica_rank=gid, num_replica_groups=2, group_rank=rank,
+                                            num_replicas=world)
+    loader = DataLoader(data, batch_size=8, sampler=sampler, drop_last=True)
+
+    def load(sd):
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["optim"])
+
+    manager = rallypoint.Manager(pg=rallypoint.ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
+                                 load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
+                                                                           "optim": inner.state_dict()},
+                                 hostname="127.0.0.1", timeout=timedelta(seconds=10),
+                                 quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
+    manager.register_state_dict_fn("sampler", sampler.load_state_dict, sampler.state_dict)
+    ddp = rallypoint.DistributedDataParallel(manager, model)
+    optimizer = rallypoint.Optimizer(manager, inner)
+    log = open(os.path.join(out, f"g{gid}.r{rank}.i{inc}.jsonl"), "a", buffering=1)
+
+    def target():
+        try:
+            with open(stop) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
+
+    def batches():
+        while True:
+            yield from loader
+
+    it = batches()
+    while target() is None or manager.current_step() < target():
+        xb, yb = next(it)  # before zero_grad(): see rallypoint.integrations.data
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(xb), yb).backward()
+        participants = manager.num_participants()
+        committed = optimizer.step()
+        sha = hashlib.sha256(b"".join(bytes(p.detach().contiguous().view(-1).view(torch.uint8).tolist())
+                                      for p in model.parameters())).hexdigest()
+        log.write(json.dumps({"step": manager.current_step(), "committed": committed, "sha": sha,
+                              "participants": participants, "pid": os.getpid(), "t": time.time()}) + "\\n")
+        time.sleep(0.02)
+    ddp.shutdown()
+    manager.shutdown()
+    """
+)
+
+
+def _records(out: Path) -> dict[tuple[int, int, int], list[dict]]:
+    """Every rank's step records, by (group, rank, incarnation)."""
+    recs: dict[tuple[int, int, int], list[dict]] = {}
+    for f in out.glob("g*.r*.i*.jsonl"):
+        g, r, i = (int(part[1:]) for part in f.name.split(".")[:3])
+        lines = [ln for ln in f.read_text().splitlines() if ln.endswith("}")]  # a line being written is skipped
+        recs[(g, r, i)] = [json.loads(ln) for ln in lines]
+    return recs
+
+
+def _latest(out: Path, g: int, r: int, i: int) -> dict | None:
+    rows = _records(out).get((g, r, i))
+    return rows[-1] if rows else None
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_ranks_stay_identical_through_a_kill_and_heal(procs: Any, lighthouse: Any, tmp_path: Path,
+                                                                        strays: Any) -> None:  # noqa: F811
+    """Two replica groups, each ``rallypoint run --nproc-per-node 2`` of a script that uses
+    only the public wrappers (Manager, DistributedDataParallel, Optimizer,
+    DistributedSampler), every rank on its own data and its own initialisation. Rank 1 of
+    group 1 is SIGKILLed mid-training; its supervisor restarts the group, which heals from
+    group 0. At every committed step, every rank that made it holds the same parameters as
+    every other: across ranks of a group and across groups, before and after the heal."""
+    lh = lighthouse(min_replicas=1, join_timeout_ms=5_000)
+    out, stop = tmp_path / "out", tmp_path / "stop"
+    out.mkdir()
+    (tmp_path / "train.py").write_text(TRAIN)
+    env = _env(RALLYPOINT_LIGHTHOUSE=lh.address())
+    sups = [run_group(procs, "--nproc-per-node", "2", "--replica-group-id", str(g), "--restart-backoff", "0.1",
+                      "--grace-period", "5", "--no-standby", str(tmp_path / "train.py"), str(out), str(stop),
+                      name=f"group{g}", env=env) for g in range(2)]
+
+    def both_groups_train() -> dict | None:  # a committed step of group 1 rank 1 with both groups taking part
+        last = _latest(out, 1, 1, 0)
+        return last if last and last["committed"] and last["participants"] == 2 and last["step"] >= 3 else None
+
+    victim = wait_until(both_groups_train, timeout=60, interval=0.05, what="both groups to train together")
+    strays.append(victim["pid"])
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed_at = victim["step"]
+
+    def healed_and_training() -> bool:
+        rows = [_latest(out, 1, r, 1) for r in range(2)]
+        return all(row and row["committed"] and row["participants"] == 2 and row["step"] >= killed_at + 3
+                   for row in rows)
+
+    wait_until(healed_and_training, timeout=60, interval=0.05, what="group 1 to restart, heal and train again")
+    recs = _records(out)
+    last = max(row["step"] for rows in recs.values() for row in rows) + 3
+    stop.write_text(str(last))
+    for s in sups:
+        assert s.wait(60) == 0, s.stderr_text()[-4000:]
+
+    (restart,) = events(sups[1], "restart")
+    assert (restart["rank"], restart["signal"], restart["incarnation"]) == (1, "SIGKILL", 1), restart
+    assert events(sups[0], "restart") == []
+    recs = _records(out)
+    assert set(recs) == {(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)}
+    by_step: dict[int, dict[tuple[int, int, int], str]] = {}
+    for who, rows in recs.items():
+        for row in rows:
+            if row["committed"]:
+                by_step.setdefault(row["step"], {})[who] = row["sha"]
+    drift = {step: shas for step, shas in by_step.items() if len(set(shas.values())) > 1}
+    assert not drift, f"ranks hold different parameters at committed steps: {drift}"
+    # Every rank committed the last step; the restarted group healed (its first commit is
+    # far from step 1) and then committed steps together with group 0.
+    assert set(by_step[last]) == {(0, 0, 0), (0, 1, 0), (1, 0, 1), (1, 1, 1)}
+    first_after = min(row["step"] for row in recs[(1, 0, 1)] if row["committed"])
+    assert first_after > killed_at
+    shared = [s for s, shas in by_step.items() if {(0, 0, 0), (1, 0, 1), (1, 1, 1)} <= set(shas)]
+    assert len(shared) >= 3, sorted(by_step)
