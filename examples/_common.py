@@ -7,8 +7,9 @@ integration helper (DDP, DiLoCo, FSDP), its training loop and its ``should_commi
 one of them needs the same way: reading the launch environment (torchrun's variables
 and rallypoint's replica-group variables), logging, the shared command-line flags, the
 JSON progress file tests and demos follow, the parameter hash replicas are compared by,
-the plain torch process group of a replica group's own ranks, and a small launcher that
-plays torchrun's part on one host.
+and a small launcher that plays torchrun's part on one host. (Averaging inside a replica
+group needs no code here: ``rallypoint.DistributedDataParallel`` does it, and a script that
+needs the group's process group itself calls ``torch.distributed.init_process_group``.)
 
 Why torch is imported inside the functions: ``train_hsdp.py --local-ranks N`` is a
 launcher process that only starts N children; it must not pay for importing torch (and
@@ -37,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -80,7 +80,9 @@ def replica_env(hostname: str | None = None) -> ReplicaEnv:
     the store itself (:func:`host_store`). The defaults are written back to
     ``os.environ`` because the Manager reads them from there (every rank connects to
     the store at ``MASTER_ADDR:MASTER_PORT``), as it reads ``REPLICA_GROUP_ID`` and
-    ``RALLYPOINT_LIGHTHOUSE``. ``hostname`` (the ``--hostname`` flag) is the address peers
+    ``RALLYPOINT_LIGHTHOUSE``. Like torchrun's agent, a store hosted here comes with
+    ``TORCHELASTIC_USE_AGENT_STORE=True``, so ``torch.distributed.init_process_group``
+    (env://) joins it instead of hosting one on the same port. ``hostname`` (the ``--hostname`` flag) is the address peers
     reach this rank at; by default 127.0.0.1 when the group is on loopback, so a job on
     one machine never depends on the host's name resolving."""
     os.environ.setdefault("RANK", "0")
@@ -91,6 +93,7 @@ def replica_env(hostname: str | None = None) -> ReplicaEnv:
             raise SystemExit("MASTER_ADDR/MASTER_PORT must be set when WORLD_SIZE > 1 (torchrun sets them)")
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(host_store())
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # init_process_group joins it, as under torchrun
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
     num_groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
@@ -188,37 +191,6 @@ def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def init_intra_group(name: str, env: ReplicaEnv, backend: str, timeout: timedelta) -> None:
-    """The plain torch (default) process group of this replica group's own ranks.
-
-    It rendezvouses in the group's TCPStore at ``MASTER_ADDR:MASTER_PORT`` (the manager's
-    on group rank 0, or torchrun's agent store) under the prefix ``<name>/intra``, so its
-    keys never meet the manager's."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"{name}/intra", store),
-                            rank=env.rank, world_size=env.world_size, timeout=timeout)
-
-
-def average_in_group(model: nn.Module) -> None:
-    """Mean of the gradients over this replica group's ranks (the default process group).
-
-    Every group has the same number of ranks, so after the cross-replica average this is
-    the mean over all ranks of all live groups. A failure here means a rank of this
-    group died: the group exits and restarts as a whole (torchrun's job), so it is raised."""
-    import torch
-
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
-    torch.distributed.all_reduce(flat)
-    flat /= torch.distributed.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 # --- progress, stopping ---------------------------------------------------------------
 
 
@@ -286,12 +258,13 @@ def launch_local(script: str, n: int, argv: list[str], max_seconds: float) -> in
     (each with torchrun's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
     ``MASTER_PORT``) and wait for them. If one fails the others are stopped: a group
     restarts as a whole, as under torchrun. The group's store is hosted here, as torchrun's
-    agent hosts it."""
+    agent hosts it (``TORCHELASTIC_USE_AGENT_STORE=True``: ``init_process_group`` joins it)."""
     port = str(host_store())
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                   MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True",
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(script), *argv], env=env))
     deadline = time.monotonic() + (max_seconds + 60 if max_seconds else 10**9)
     rc = 0

@@ -13,11 +13,13 @@ Environment: ``REPLICA_GROUP_ID`` (this group's index, also its data shard),
 ``NUM_REPLICA_GROUPS``, ``RALLYPOINT_LIGHTHOUSE`` (or ``TORCHFT_LIGHTHOUSE``), and
 torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (without torchrun:
 rank 0 of a group of 1 on a free port). Every replica group must have the same number
-of ranks: group rank ``g`` averages its gradients with group rank ``g`` of the others.
-gloo on CPU; NCCL when CUDA is available.
+of ranks. The gradients are averaged over every rank of every participating group, as
+torch's DDP over all ranks would: inside the group over its own process group (the
+wrapper initialises it in the group's store), across groups through the manager (group
+rank ``g`` with group rank ``g``). gloo on CPU; NCCL when CUDA is available.
 
 Only the public API is used: ``rallypoint.Manager`` with ``rallypoint.DistributedDataParallel``
-(gradient buckets averaged over the live replicas), ``rallypoint.Optimizer`` (``zero_grad``
+(gradient buckets averaged over every rank of the live replica groups), ``rallypoint.Optimizer`` (``zero_grad``
 starts the quorum, ``step`` steps only on commit) and ``rallypoint.DistributedSampler``
 (disjoint shards; its position heals with the model).
 
@@ -148,10 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_transport=_common.checkpoint_transport(env.hostname, timeout),
     )
     manager.register_state_dict_fn("sampler", sampler.load_state_dict, sampler.state_dict)
-    intra = world_size > 1  # ranks of a group read different shards: they also average inside the group
-    if intra:
-        _common.init_intra_group("train_ddp", env, "nccl" if use_cuda else "gloo",
-                                 timedelta(seconds=args.connect_timeout))
+    # Averages over every rank of every participating group: inside this group over its own
+    # process group (initialised by the wrapper in the group's store when there are several
+    # ranks), across groups through the manager.
     ddp = rallypoint.DistributedDataParallel(manager, model)
     optimizer = rallypoint.Optimizer(manager, inner)
     progress.write(event="ready", step=manager.current_step(), replica_id=manager.replica_id)
@@ -178,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.sleep:
                 time.sleep(args.sleep)  # simulated compute; the quorum forms meanwhile
             loss = nn.functional.mse_loss(ddp(xb.to(device)), yb.to(device))
-            loss.backward()
-            if intra:  # the (already cross-replica averaged) gradients, averaged over the group's ranks
-                _common.average_in_group(model)
+            loss.backward()  # averages the gradients over every rank of every participating group
             committed = optimizer.step()  # steps only if every replica's allreduce succeeded
             rec: dict[str, Any] = {
                 "event": "step", "step": manager.current_step(), "committed": committed,
@@ -197,11 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         progress.write(event="exit", step=manager.current_step(), sha256=_common.tensors_sha256(model.parameters()),
                        rc=rc, batches_committed=manager.batches_committed(), heals=len(heals))
         progress.close()
-        ddp.shutdown()
+        ddp.shutdown()  # also ends the group's process group it initialised
         manager.shutdown(wait=False)
         pg.shutdown()
-        if intra:
-            torch.distributed.destroy_process_group()
     if rank == 0:
         print(f"group {group}: stopped at step {manager.current_step()}, loss {float(loss.detach()):.4f}, "
               f"{len(heals)} heal(s)", flush=True)

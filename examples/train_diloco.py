@@ -16,8 +16,10 @@ Without torchrun, ``python examples/train_diloco.py`` runs rank 0 of a one-rank 
 a free port. Environment as ``examples/train_ddp.py``: ``REPLICA_GROUP_ID`` (this
 group's index and data shard), ``NUM_REPLICA_GROUPS``, ``RALLYPOINT_LIGHTHOUSE`` (or
 ``TORCHFT_LIGHTHOUSE``), torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``.
-Ranks of one group average their inner gradients every step with a plain torch group
-(group rank ``g`` exchanges pseudo-gradients with group rank ``g`` of the other groups).
+Ranks of one group train one model with torch's own DDP over the group's process group
+(``torch.distributed.init_process_group``, in the store ``rallypoint run`` or torchrun
+hosts), so their inner gradients are averaged every step; group rank ``g`` exchanges
+pseudo-gradients with group rank ``g`` of the other groups.
 gloo on CPU; NCCL when CUDA is available.
 
 Only the public API is used: ``rallypoint.Manager`` (``use_async_quorum=False``: a heal
@@ -164,10 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         connect_timeout=timedelta(seconds=args.connect_timeout),
         checkpoint_transport=_common.checkpoint_transport(env.hostname, timeout),
     )
-    intra = world_size > 1  # ranks of a group average their inner gradients every step
+    # The ranks of a group train one model: torch's own DDP over the group's process group
+    # (rallypoint run / torchrun host its store) averages their inner gradients every step;
+    # DiLoCo exchanges pseudo-gradients across groups, group rank g with group rank g.
+    intra = world_size > 1
+    forward: nn.Module = model
     if intra:
-        _common.init_intra_group("train_diloco", env, "nccl" if use_cuda else "gloo",
-                                 timedelta(seconds=args.connect_timeout))
+        torch.distributed.init_process_group("nccl" if use_cuda else "gloo",
+                                             timeout=timedelta(seconds=args.connect_timeout))
+        forward = nn.parallel.DistributedDataParallel(model)
     progress = _common.Progress(args.progress, group=group, rank=rank, pid=os.getpid())
     diloco = DiLoCo(manager, fragments, inner, outers if len(outers) > 1 else outers[0], sync_every=args.sync_every,
                     should_quantize=args.quantize, fragment_sync_delay=args.fragment_sync_delay,
@@ -201,10 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                 inner.zero_grad()
                 if args.sleep:
                     time.sleep(args.sleep)  # simulated compute
-                loss = nn.functional.mse_loss(model(x[idx].to(device)), y[idx].to(device))
-                loss.backward()
-                if intra:
-                    _common.average_in_group(model)
+                loss = nn.functional.mse_loss(forward(x[idx].to(device)), y[idx].to(device))
+                loss.backward()  # with several ranks: averaged over the group's ranks by torch's DDP
                 inner.step()  # DiLoCo's hook syncs a fragment when its turn comes
                 inner_step += 1
                 if manager.current_step() != last_step[0]:  # a sync committed

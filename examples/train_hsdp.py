@@ -90,8 +90,10 @@ def train(args: argparse.Namespace) -> int:
         timeout=timeout, quorum_timeout=3 * timeout, connect_timeout=connect,
         checkpoint_transport=_common.checkpoint_transport(env.hostname, timeout),
     )
-    # The group's own process group (FSDP shards over it), even for a group of one rank.
-    _common.init_intra_group("train_hsdp", env, "nccl" if use_cuda else "gloo", connect)
+    # The group's own process group (FSDP shards over it, and its reduce-scatter averages the
+    # gradients over the group's ranks), even for a group of one rank; env:// joins the store
+    # torchrun / rallypoint run (or --local-ranks) hosts at MASTER_ADDR:MASTER_PORT.
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=connect)
 
     dataset = TensorDataset(*_common.synthetic_regression(args.samples))
     sampler = rallypoint.DistributedSampler(dataset, replica_rank=group, num_replica_groups=env.num_groups,

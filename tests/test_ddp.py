@@ -173,8 +173,8 @@ def test_rejects_bucket_rebuilding_options(solo: Any) -> None:
         DistributedDataParallel(object(), _mlp(0), find_unused_parameters=False)
     with pytest.raises(ValueError, match="rebuild DDP buckets"):
         DistributedDataParallel(object(), _mlp(0), static_graph=True)
-    with pytest.raises(ValueError, match="process_group"):
-        DistributedDataParallel(object(), _mlp(0), process_group=None)
+    with pytest.raises(ValueError, match="device_mesh"):
+        DistributedDataParallel(object(), _mlp(0), device_mesh=None)
 
 
 @pytest.fixture

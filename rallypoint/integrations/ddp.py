@@ -1,69 +1,125 @@
-"""``DistributedDataParallel`` whose gradient averaging goes through the ``Manager``.
+"""``DistributedDataParallel`` that averages gradients over every rank of every
+participating replica group, the cross-group part through the ``Manager``.
 
-torch's DDP reducer talks to one fixed ``ProcessGroup``, but the replicas we average
-over change at every quorum, and our process groups report a world size of 1 to
-torch's C++ side. So the module is wrapped with a :class:`ProcessGroupDummy` (it
-soaks up DDP's construction-time parameter check and broadcast) and a communication
-hook sends every gradient bucket through ``manager.allreduce`` (a mean over the
-replicas taking part in this step).
+What it averages: the mean over all ranks of all replica groups taking part in the
+step, as plain torch DDP over all those ranks would. It is two levels, because the
+replicas taking part change at every quorum while the ranks of one group do not:
 
-The hook's contract with the reducer is what keeps training alive after a failure.
-The reducer waits for every bucket's future at the end of backward and then copies
-each future's tensor back into the gradients; a future that fails (or holds a tensor
-of another shape) makes ``backward()`` raise and leaves the reducer half-finished,
-so every later forward trips its internal "reduction not finished" check and the
-replica can never train again without being rebuilt. Here a bucket's future always
-completes, with the bucket's own buffer: averaged when the allreduce succeeded,
-left as the local gradients when it did not. Failures are recorded with
-``manager.report_error`` (``should_commit`` then refuses the step, so the
-un-averaged gradients are never applied) and the next step starts from a clean
-reducer.
+1. inside the replica group, over the group's own process group (torch's default group,
+   or ``process_group=``; :mod:`._intra` says which, and when the wrapper initialises the
+   default group itself): each bucket is divided by the group's size and summed, posted
+   on the autograd thread as soon as the bucket is ready, as torch's own DDP does;
+2. across replica groups, by ``manager.allreduce`` (a mean over the groups taking part,
+   rank ``g`` with rank ``g`` of every group), posted once step 1 is done.
+
+The module is torch's DDP over the group's own process group (so construction checks
+the parameter shapes and broadcasts parameters and buffers from group rank 0, and
+buffers are broadcast before each forward, as with torch's DDP), with a communication
+hook that does both levels. In a group of one rank the process group is a
+:class:`ProcessGroupDummy` (it soaks up DDP's construction-time check and broadcast):
+only step 2 runs. Group rank 0's parameters win at construction; across groups the
+manager makes replicas agree by healing (``init_sync``) before the first commit.
+
+The hook's contract with the reducer is what keeps training alive after a failure in
+another group. The reducer waits for every bucket's future at the end of backward and
+then copies each future's tensor back into the gradients; a future that fails makes
+``backward()`` raise and leaves the reducer half-finished, so every later forward trips
+its "reduction not finished" check. So a failed cross-group allreduce (a peer group
+died) completes the bucket's future with the bucket's own buffer and is recorded with
+``manager.report_error``: ``should_commit`` then refuses the step, and the next step
+trains normally. A failure inside the group (a rank of this group died) is different:
+the group cannot go on without that rank, so it fails the future and ``backward()``
+raises, as with torch's DDP; the group restarts as a whole (``rallypoint run`` and
+torchrun restart it) and heals from its peers.
 
 Bucket rebuilding is disabled (``find_unused_parameters=True``, no ``static_graph``):
 torch re-buckets parameters after the first step, and a replica that restarts would
 use the first-step layout while its peers use the rebuilt one, so their allreduces
 would disagree on sizes.
 
-Each bucket's allreduce is posted on the autograd thread, in bucket order (the same
-on every replica), and waited for on one helper thread, so communication overlaps
-the rest of backward as it does with torch's own hook.
+Threads: the group's collectives are posted only on the autograd thread (bucket order,
+then the reducer's own used-parameter allreduce), so every rank of the group posts them
+in the same order. One helper thread waits for each bucket's in-group allreduce and
+posts its cross-group allreduce, in bucket order (the same on every group); a second
+waits for those and completes the futures, so communication overlaps the rest of
+backward at both levels.
 """
 
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from rallypoint.integrations._intra import GroupPlan, resolve_group
 from rallypoint.integrations._protocols import AVG, GradientManager, Waitable
 from rallypoint.process_groups.wrappers import ProcessGroupDummy
 
 log = logging.getLogger("rallypoint.integrations.ddp")
 
 #: DDP arguments this wrapper decides itself (see the module docstring for why).
-_OWNED_KWARGS = ("process_group", "device_mesh")
+_OWNED_KWARGS = ("device_mesh",)
+
+
+class _Stage:
+    """One FIFO helper thread: items are handled in the order they were submitted.
+
+    Started lazily and a daemon: every wait it does is bounded by a timeout (the
+    manager's, the process group's), and an exiting process must not be held up by an
+    idle helper. After :meth:`close`, :meth:`submit` refuses (the caller handles the
+    item on its own thread)."""
+
+    def __init__(self, name: str, handle: Callable[[Any], None]) -> None:
+        self._name = name
+        self._handle = handle
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._handle(item)
+
+    def submit(self, item: Any) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._queue.put(item)
+            return True
+
+    def close(self, timeout: float) -> None:
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
 
 
 class _BucketAverager:
-    """The communication hook's state: the manager and the thread that waits for posted
-    allreduces.
+    """The communication hook's state: the manager, the group's own process group
+    (None in a group of one rank) and the two helper stages (see the module docstring)."""
 
-    The waiter is one thread, so works are waited for in the order they were posted.
-    It is started lazily and is a daemon: every wait is bounded by the manager's
-    timeout, and an exiting process must not be held up by an idle helper.
-    """
-
-    def __init__(self, manager: GradientManager) -> None:
+    def __init__(self, manager: GradientManager, group: Any, group_size: int) -> None:
         self.manager = manager
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[Waitable, torch.Tensor, torch.futures.Future] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self.group = group
+        self.group_size = group_size
+        self._intra = _Stage("rallypoint-ddp-group", self._after_group)
+        self._cross = _Stage("rallypoint-ddp-wait", self._after_cross)
         self.buckets = 0  # buckets handed to the hook so far (tests and logs read it)
         self.failures = 0  # buckets whose allreduce raised outside the manager's handling
+        self.group_failures = 0  # buckets whose in-group allreduce failed
 
     def _record(self, e: BaseException) -> None:
         """Route ``e`` to the manager so the step does not commit; never raise."""
@@ -73,8 +129,43 @@ class _BucketAverager:
         except Exception as re:  # noqa: BLE001 - the hook must not raise into the reducer
             log.warning("could not report a gradient allreduce failure (%s): %s", e, re)
 
-    def _finish(self, work: Waitable, buffer: torch.Tensor, fut: torch.futures.Future) -> None:
-        """Wait for ``work`` and complete ``fut`` with ``buffer``, whatever happened."""
+    # ---------------------------------------------------------------- level 1: the group
+    def _group_failed(self, e: BaseException, fut: torch.futures.Future) -> None:
+        """A rank of this group is gone: no commit, and ``backward()`` raises."""
+        self.group_failures += 1
+        log.error("the gradient allreduce inside this replica group failed (%s): a rank of the group is gone; "
+                  "the group must restart as a whole (rallypoint run / torchrun restart it) and heal", e)
+        self._record(e)
+        if not fut.done():
+            fut.set_exception(RuntimeError(
+                f"the gradient allreduce inside this replica group failed: {e}. A rank of this group died or "
+                "hung; the group cannot go on without it and must restart as a whole (rallypoint run and "
+                "torchrun restart it), then it heals from the other groups"))
+
+    def _after_group(self, item: tuple[Waitable, torch.Tensor, torch.futures.Future]) -> None:
+        work, buffer, fut = item
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - reported, and raised out of backward by the future
+            self._group_failed(e, fut)
+            return
+        self._post_cross(buffer, fut)
+
+    # ---------------------------------------------------------------- level 2: the groups
+    def _post_cross(self, buffer: torch.Tensor, fut: torch.futures.Future) -> None:
+        try:
+            work = self.manager.allreduce(buffer, reduce_op=AVG)
+        except Exception as e:  # noqa: BLE001 - never raise out of backward
+            log.warning("posting a gradient allreduce failed: %s", e)
+            self._record(e)
+            fut.set_result(buffer)
+            return
+        if not self._cross.submit((work, buffer, fut)):
+            self._after_cross((work, buffer, fut))  # shut down: wait on this thread instead
+
+    def _after_cross(self, item: tuple[Waitable, torch.Tensor, torch.futures.Future]) -> None:
+        """Wait for the cross-group work and complete the future with the buffer, whatever happened."""
+        work, buffer, fut = item
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001 - ManagedWork records its own; anything else is ours
@@ -84,51 +175,35 @@ class _BucketAverager:
             if not fut.done():
                 fut.set_result(buffer)
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            self._finish(*item)
-
-    def _submit(self, item: tuple[Waitable, torch.Tensor, torch.futures.Future]) -> bool:
-        with self._lock:
-            if self._closed:
-                return False
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="rallypoint-ddp-wait", daemon=True)
-                self._thread.start()
-            self._queue.put(item)
-            return True
-
     def average(self, buffer: torch.Tensor) -> torch.futures.Future:
-        """Post the mean of ``buffer`` over the replicas; a future that always completes
-        with ``buffer`` (averaged on success, untouched on failure)."""
+        """Post the mean of ``buffer`` over every rank of every participating group; a
+        future that completes with ``buffer`` (averaged on success, not on a failure
+        across groups) or fails (a failure inside the group)."""
         self.buckets += 1
         fut: torch.futures.Future = torch.futures.Future()
-        try:
-            work = self.manager.allreduce(buffer, reduce_op=AVG)
-        except Exception as e:  # noqa: BLE001 - never raise out of backward
-            log.warning("posting a gradient allreduce failed: %s", e)
-            self._record(e)
-            fut.set_result(buffer)
+        if self.group is None:
+            self._post_cross(buffer, fut)
             return fut
-        if not self._submit((work, buffer, fut)):
-            self._finish(work, buffer, fut)  # shut down: wait on this thread instead
+        try:
+            buffer.div_(self.group_size)  # before the sum, as torch's allreduce hook (no overflow in low precision)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # stubs: RedOpType
+            work = self.group.allreduce([buffer], opts)
+        except Exception as e:  # noqa: BLE001 - reported, and raised out of backward by the future
+            self._group_failed(e, fut)
+            return fut
+        if not self._intra.submit((work, buffer, fut)):
+            self._after_group((work, buffer, fut))
         return fut
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the waiter after the works already queued (bounded by ``timeout``)."""
-        with self._lock:
-            self._closed = True
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join(timeout)
+        """Stop the helpers after the works already queued (each bounded by ``timeout``)."""
+        self._intra.close(timeout)
+        self._cross.close(timeout)
 
 
 def _manager_comm_hook(state: _BucketAverager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: average ``bucket`` over the live replicas.
+    """DDP communication hook: average ``bucket`` over the group's ranks and the live replicas.
 
     Annotations are real types (no ``from __future__ import annotations`` in this
     module) because DDP compares them with ``dist.GradBucket`` and
@@ -138,20 +213,31 @@ def _manager_comm_hook(state: _BucketAverager, bucket: dist.GradBucket) -> torch
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
-    """torch DDP whose gradients are averaged by ``manager.allreduce``.
+    """torch DDP whose gradients are averaged over every rank of every participating
+    replica group: inside the group over its own process group, across groups by
+    ``manager.allreduce``.
 
-    ``DistributedDataParallel(manager, module, **ddp_kwargs)``: ``ddp_kwargs`` go to
-    torch's DDP, except ``process_group``/``device_mesh`` (the wrapper supplies a dummy
-    group), ``find_unused_parameters=False`` and ``static_graph=True`` (both let torch
-    rebuild buckets, which breaks a restarted replica; see the module docstring).
+    ``DistributedDataParallel(manager, module, process_group=None, **ddp_kwargs)``:
 
-    Parameters are not broadcast at construction (the dummy group has no peers): the
-    manager makes replicas agree by healing (``init_sync``) before the first commit.
-    A failed or partial gradient allreduce never raises out of ``backward()``: the
-    step just does not commit, and the next one trains normally.
+    - ``process_group``: the ranks of this replica group to average inside. Default:
+      none in a group of one rank; torch's default group when it is initialised (it must
+      hold exactly the group's ranks: its size and rank must be the manager's
+      ``group_world_size``/``group_rank``); otherwise, in a group of several ranks, the
+      wrapper initialises the default group itself in the group's store at
+      ``MASTER_ADDR``/``MASTER_PORT`` (see :mod:`rallypoint.integrations._intra`), and a
+      clear ``ValueError`` says what to do when there is none.
+    - ``ddp_kwargs`` go to torch's DDP, except ``device_mesh``,
+      ``find_unused_parameters=False`` and ``static_graph=True`` (both let torch rebuild
+      buckets, which breaks a restarted replica; see the module docstring).
+
+    Every rank of the group must construct it at the same time (torch's DDP broadcasts
+    group rank 0's parameters and buffers). A failed gradient allreduce across groups
+    never raises out of ``backward()``: the step just does not commit, and the next one
+    trains normally; one inside the group raises (the group must restart).
     """
 
-    def __init__(self, manager: GradientManager, module: nn.Module, **ddp_kwargs: Any) -> None:
+    def __init__(self, manager: GradientManager, module: nn.Module, process_group: Any = None,
+                 **ddp_kwargs: Any) -> None:
         for key in _OWNED_KWARGS:
             if key in ddp_kwargs:
                 raise ValueError(
@@ -168,22 +254,33 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "static_graph=True lets torch rebuild DDP buckets after the first step; a restarted "
                 "replica would then bucket differently from its peers. Leave it unset."
             )
-        super().__init__(module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True, **ddp_kwargs)
+        group, plan = resolve_group(process_group, manager, module)
+        super().__init__(module, process_group=group if group is not None else ProcessGroupDummy(0, 1),
+                         find_unused_parameters=True, **ddp_kwargs)
         self._rallypoint_manager = manager
-        self._averager = _BucketAverager(manager)
+        self._group_plan = plan
+        self._averager = _BucketAverager(manager, group, plan.world_size)
         self.register_comm_hook(self._averager, _manager_comm_hook)
         register = getattr(manager, "register_sdc_params", None)  # rallypoint's Manager: the parameter check
         if register is not None:
             register(list(module.parameters()))
+        if group is not None:
+            log.info("averaging gradients inside the replica group over %d ranks (%s process group), then "
+                     "across replica groups through the manager", plan.world_size, plan.source)
 
     @property
     def manager(self) -> GradientManager:
-        """The manager gradients are averaged through."""
+        """The manager gradients are averaged through across replica groups."""
         return self._rallypoint_manager
 
     @property
+    def group_plan(self) -> GroupPlan:
+        """Which process group averages inside the replica group (``source``, ``world_size``, ``rank``)."""
+        return self._group_plan
+
+    @property
     def buckets_reduced(self) -> int:
-        """Gradient buckets handed to the manager so far (all steps)."""
+        """Gradient buckets handed to the hook so far (all steps)."""
         return self._averager.buckets
 
     @property
@@ -192,8 +289,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return self._averager.failures
 
     def shutdown(self) -> None:
-        """Stop the helper thread that waits for allreduces (optional: it is a daemon)."""
+        """Stop the helper threads that wait for allreduces (optional: they are daemons).
+        A default process group the wrapper initialised itself is destroyed too."""
         self._averager.shutdown()
+        if self._group_plan.source == "init" and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 __all__ = ["DistributedDataParallel"]

@@ -6,7 +6,10 @@ Each replica group (one torchrun job of ``W`` ranks) shards its model with torch
 manager refuses mixed sizes), so the gradient shards can be averaged across groups
 directly: FSDP's reduce-scatter averages inside the group, then an all-reduce hook on
 every FSDP module sends the shard through ``manager.allreduce`` (a mean over the replica
-groups taking part in this step). A peer's death mid-backward therefore fails the step
+groups taking part in this step). So each gradient is the mean over every rank of every
+participating group, as with :class:`~rallypoint.integrations.DistributedDataParallel`
+(``tests/test_fsdp.py`` checks the result against a reference that averages the 2 x 2
+ranks' gradients): nothing inside the group is left to the user. A peer's death mid-backward therefore fails the step
 (``should_commit()`` is False), never ``backward()``.
 
 One call sets it up::
@@ -193,7 +196,8 @@ def _default_mesh(module: nn.Module) -> Any:
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "fully_shard_replicated needs the replica group's own process group: call "
-            "torch.distributed.init_process_group over this group's ranks first, or pass mesh="
+            "torch.distributed.init_process_group over this group's ranks first (env:// joins the store "
+            "`rallypoint run` and torchrun host at MASTER_ADDR/MASTER_PORT), or pass mesh="
         )
     devices = {p.device.type for p in module.parameters()} or {"cpu"}
     device_type = "cuda" if "cuda" in devices else next(iter(devices))

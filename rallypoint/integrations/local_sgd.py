@@ -10,6 +10,11 @@ Both are context managers that hook the *inner* optimizer's step
 Constructors and keyword names follow ``torchft.local_sgd`` 0.2.0, so switching is a
 change of import.
 
+Replica groups of several ranks: the exchanges pair group rank ``g`` with group rank ``g``
+of the other groups; the inner steps are the group's own training, so train them with
+torch's DDP (or FSDP) over the group's process group, as ``examples/train_diloco.py``
+does, and the ranks of a group hold the same parameters at every sync.
+
 LocalSGD
     Every ``sync_every`` inner steps: a quorum, the parameters are averaged over the
     participating replicas, and on commit the average replaces the local value. A sync

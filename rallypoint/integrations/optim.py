@@ -3,11 +3,21 @@
 
 A training step with the wrapper::
 
+    ddp = DistributedDataParallel(manager, model)   # averages over every rank of every group
+    optimizer = Optimizer(manager, torch.optim.AdamW(model.parameters()))
+    ...
     batch = next(batches)           # before zero_grad(): see rallypoint.integrations.data
     optimizer.zero_grad()           # starts this step's quorum, then zeroes the gradients
-    loss = model(batch).mean(); loss.backward()
-    for p in model.parameters(): manager.allreduce(p.grad).wait()
+    ddp(batch).mean().backward()    # gradients averaged inside the group and across groups
     optimizer.step()                # inner step only if manager.should_commit()
+
+The wrapper averages nothing itself: the gradients must already be the mean over every
+rank of every participating group, which :class:`~rallypoint.integrations.DistributedDataParallel`
+and :func:`~rallypoint.integrations.fully_shard_replicated` give. (``manager.allreduce``
+on each gradient by hand is enough only in groups of one rank: it pairs group rank ``g``
+with group rank ``g`` of the other groups and never averages inside a group.) The commit
+is the group's decision: every rank of the group votes and ``should_commit()`` answers all
+of them alike, so the ranks of a group step together or not at all.
 
 Why the wrapper owns ``zero_grad`` and ``step``: they bracket the step exactly where the
 quorum must start (before the forward pass, so the async quorum overlaps it) and where
