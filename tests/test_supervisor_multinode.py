@@ -184,8 +184,10 @@ def test_a_lost_node_is_replaced_and_the_group_comes_back(procs, setup, tmp_path
     firsts = [committed(tmp_path, 1, r, 1, inc=1) for r in range(2)]
     assert firsts[1]["pid"] != state["pid"]
     final = finish_and_compare(tmp_path, [*g0, g1[0], replacement])
+    # node 0 restarted its rank once: for the lost node (its beat stopped, or the replacement waiting in the
+    # rendezvous), or because its own rank saw the dead peer first (the in-group allreduce broke)
     (r0,) = events(g1[0], "restart")
-    assert r0["cause"] == "peer" and "stopped beating" in r0["reason"], r0
+    assert r0["incarnation"] == 1 and (r0["cause"] == "peer" or r0["exit_code"] is not None), r0
     assert events(g0[0], "restart") == events(g0[1], "restart") == []
     # the other group went on: at most one of its steps failed while node 1 was gone
     assert final[(0, 0)]["failed"] - before <= 1 and final[(0, 1)]["failed"] - before <= 1, final
