@@ -21,7 +21,7 @@ decisions in ``nodes.py``.
   ``("peer", reason)`` once and the supervisor restarts the group on this node too.
 - torch polls the rendezvous state once a second while it waits for the other nodes (a
   constant in its join loop); a restart should not wait for that, so this module shortens
-  that poll to ``sync_interval`` (``--rdzv-conf sync_interval=S``, 0.05 s by default) in
+  that poll to ``sync_interval`` (``--rdzv-conf sync_interval=S``, 0.02 s by default) in
   this process, which hosts no other rendezvous, and has each poll read the shared state
   (torch serves it from a one-second cache otherwise). With a few nodes per group that is
   a few small reads a second while a round forms.
@@ -135,7 +135,7 @@ class NodeRendezvous:
         conf.setdefault("last_call_timeout", "1")  # unused: min_nodes == max_nodes completes at once
         conf.setdefault("keep_alive_interval", "1")
         conf.setdefault("keep_alive_max_attempt", "5")
-        _shorten_sync_poll(float(cfg.conf.get("sync_interval", "0.05")))
+        _shorten_sync_poll(float(cfg.conf.get("sync_interval", "0.02")))
         params = RendezvousParameters(backend=cfg.backend, endpoint=cfg.endpoint, run_id=cfg.run_id,
                                       min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, local_addr=cfg.local_addr, **conf)
         if cfg.backend != "c10d":

@@ -142,7 +142,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
           help=f"give up (exit 1) when the group's nodes have not all met within S seconds ({RDZV_TIMEOUT_S:g})")
     _flag(p, "rdzv-conf", default="", metavar="K=V,...",
           help="torch's rendezvous settings (join_timeout, keep_alive_interval, is_host, ...) plus sync_interval, "
-               "the rendezvous' poll in seconds (0.05)")
+               "the rendezvous' poll in seconds (0.02)")
     _flag(p, "local-addr", default=None, metavar="HOST",
           help="the address the other nodes reach this node at (its store, the rendezvous); default: the host's "
                "fully qualified name")

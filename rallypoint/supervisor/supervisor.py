@@ -116,6 +116,8 @@ class Supervisor:
         self._store: StoreHost | None = None
         self._spec: GroupSpec | None = None  # set once the store listens; its port may move at a restart
         self._store_port = 0  # this node's store's port now (multi-node: the group's if this is node 0)
+        self._joining = False  # multi-node: the next round is being joined already
+        self._round_events: list[tuple[Any, ...]] = []  # its outcome, when it came early
         self._ranks: list[RankProcess] = []
         self._stop_signal = 0
         self._streak = 0  # consecutive failed incarnations without progress
@@ -253,16 +255,18 @@ class Supervisor:
         """Multi-node: join the group's next rendezvous round (``last``: the incarnation this
         node ran last, -1 before the first) and take this node's place from it. The
         round's plan, or an exit code (the round could not form, or a stop signal)."""
-        assert self._rdzv is not None and self._spec is not None and self._store is not None
+        assert self._rdzv is not None and self._spec is not None
         cfg = self.cfg
-        self._rdzv.join(NodeInfo(nnodes=cfg.nnodes, nproc=cfg.nproc, node_rank=cfg.node_rank, addr=self._spec.master_addr,
-                                 store_port=self._store_port, last_incarnation=last,
-                                 hostname=socket.gethostname()[:255] or "?"))
+        if not self._joining:
+            self._join(last)
+        self._joining = False
         log.info("%s: waiting in the rendezvous for the group's %d nodes (at most %gs)", self._name, cfg.nnodes,
                  cfg.rdzv_timeout_s)
         while True:
-            for ev in self._wake.wait(None):
-                self._other_event(ev)
+            early, self._round_events = self._round_events, []
+            for ev in early or self._wake.wait(None):
+                if ev[0] not in ("round", "round_error"):
+                    self._other_event(ev)
                 if ev[0] == "signal":
                     self._stop_signal = ev[1]
                     return self._stopped()
@@ -284,6 +288,15 @@ class Supervisor:
                              plan.world_size, plan.master_addr, plan.master_port)
                     return plan
 
+    def _join(self, last: int) -> None:
+        """Start joining the next rendezvous round with this node's facts."""
+        assert self._rdzv is not None and self._spec is not None
+        cfg = self.cfg
+        self._round_events = []
+        self._rdzv.join(NodeInfo(nnodes=cfg.nnodes, nproc=cfg.nproc, node_rank=cfg.node_rank, addr=self._spec.master_addr,
+                                 store_port=self._store_port, last_incarnation=last,
+                                 hostname=socket.gethostname()[:255] or "?"))
+
     def _after_peer(self, end: _End, incarnation: int, started: float) -> int | dict[str, Any]:
         """Multi-node: another node ended the incarnation (a rank failed or hung there, or
         the node is lost): stop this node's ranks and take a fresh store; the next round
@@ -292,6 +305,13 @@ class Supervisor:
         failed_at = time.monotonic()
         log.warning("%s: %s; stopping this node's ranks to restart the group (incarnation %d)", self._name,
                     end.reason, incarnation)
+        # Join the next round first (with a fresh store), then stop the ranks: the round forms meanwhile.
+        fresh = self._fresh_store()
+        if isinstance(fresh, int):
+            self._stop_ranks()
+            return fresh
+        self._join(incarnation)
+        self._joining = True
         self._stop_ranks()
         committed = self._committed(incarnation)
         self._reports_seen = self._reports_seen or committed
@@ -299,9 +319,6 @@ class Supervisor:
             self._streak = 0
         if self._stop_signal:
             return self._stopped()
-        fresh = self._fresh_store()
-        if isinstance(fresh, int):
-            return fresh
         return {"failed_incarnation": incarnation, "rank": None, "cause": "peer", "reason": end.reason[:300],
                 "uptime_s": round(failed_at - started, 3), "progress": committed, "streak": self._streak,
                 "backoff_s": 0.0, "t": failed_at}
@@ -410,9 +427,13 @@ class Supervisor:
         self._store.guard([r.pid for r in self._ranks] + (self._pool.pids() if self._pool is not None else []))
 
     def _other_event(self, ev: tuple[Any, ...]) -> None:
-        """An event every wait loop handles the same way: a standby's death."""
+        """An event every wait loop handles the same way: a standby's death; a rendezvous
+        round's outcome that arrives while the ranks are still being stopped (kept for
+        ``_meet``)."""
         if ev[0] == "standby_exit" and self._pool is not None:
             self._pool.died(ev[1], ev[2], time.monotonic())
+        elif ev[0] in ("round", "round_error"):
+            self._round_events.append(ev)
 
     def _fill_standbys(self, incarnation: int, started: float) -> float | None:
         """Start the standbys if they are due; how long until the next look (None: no need)."""
