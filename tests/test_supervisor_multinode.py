@@ -252,3 +252,29 @@ def test_a_node_that_never_arrives_gives_up_within_the_timeout(procs, tmp_path: 
     assert "gave up: the group's 2 nodes did not all arrive within --rdzv-timeout 4s" in p.stderr_text()
     assert took < 4 + 10, took
     _gone(p, strays)
+
+
+def test_a_crash_loop_on_one_node_stops_the_whole_group(procs, tmp_path: Path, strays) -> None:
+    """The crash-loop rule across nodes: node 1's rank fails at once every time; node 1 gives
+    up after --max-restarts and closes the rendezvous; node 0, waiting for the next round,
+    learns it and exits 1 too, saying why."""
+    (tmp_path / "fail.py").write_text(textwrap.dedent("""
+        import os, sys, time
+        if os.environ["GROUP_RANK"] == "1":
+            sys.exit(3)
+        time.sleep(60)
+    """))
+    common = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-timeout", "30", "--max-restarts", "1",
+              "--restart-backoff", "0.1", "--no-standby", "--replica-group-id", "7")
+    a = run_group(procs, *common, "--node-rank", "0", "--rdzv-endpoint", f"{NODE_ADDRS[0]}:0", "--local-addr",
+                  NODE_ADDRS[0], str(tmp_path / "fail.py"), name="a")
+    b = run_group(procs, *common, "--node-rank", "1", "--rdzv-endpoint", f"{NODE_ADDRS[0]}:{rendezvous_port(a)}",
+                  "--local-addr", NODE_ADDRS[1], str(tmp_path / "fail.py"), name="b")
+    assert b.wait(60) == 1, b.stderr_text()[-3000:]
+    assert "giving up on replica group 7 (node 1 of 2)" in b.stderr_text(), b.stderr_text()[-3000:]
+    assert a.wait(60) == 1, a.stderr_text()[-3000:]
+    assert "the group's rendezvous was closed: another node of the group finished or gave up" in a.stderr_text()
+    (gave_up,) = events(b, "gave_up")
+    assert (gave_up["node"], gave_up["exit_code"], gave_up["streak"]) == (1, 3, 2), gave_up
+    for p in (a, b):
+        _gone(p, strays)
