@@ -143,7 +143,6 @@ def test_multinode_command_line_in_torchruns_spellings(tmp_path: Path) -> None:
     (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "0"], "--rdzv-timeout must be positive"),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout"], "not KEY=VALUE"),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-conf", "sync_interval=-1"], "not a non-negative number"),
-    (["--nnodes", "2", "--rdzv-backend", "static"], "static needs --node-rank"),
 ])  # fmt: skip
 def test_multinode_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
     script = tmp_path / "train.py"
@@ -168,3 +167,11 @@ def test_rank_env_on_node_1_of_2() -> None:
         "ROLE_WORLD_SIZE": "4", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "4", "TORCHELASTIC_RUN_ID": "rallypoint-3",
     }  # fmt: skip
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("etcd") is not None, reason="python-etcd is installed here")
+def test_an_etcd_rendezvous_without_its_client_is_a_usage_error(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(UsageError, match="needs the python-etcd package"):
+        config_from_args(_parse(["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-backend", "etcd-v2", str(script)]))

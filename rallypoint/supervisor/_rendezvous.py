@@ -6,8 +6,9 @@ decisions in ``nodes.py``.
   ``--rdzv-endpoint``'s host (or ``is_host=1`` in ``--rdzv-conf``) hosts the rendezvous'
   ``TCPStore``, listening on the endpoint's address only (port 0 there: one the OS picks,
   logged); the others connect to it, retrying until ``--rdzv-timeout``. torch's
-  ``C10dRendezvousBackend`` and ``DynamicRendezvousHandler`` run the rounds. ``etcd``,
-  ``etcd-v2`` and ``static`` come from torch's handler registry as torchrun makes them.
+  ``C10dRendezvousBackend`` and ``DynamicRendezvousHandler`` run the rounds. ``etcd`` and
+  ``etcd-v2`` come from torch's handler registry as torchrun makes them (they need the
+  python-etcd client; the announcements and the fast poll are c10d's only).
 - Each round (``join``, on a thread: it blocks until every node arrived or the timeout)
   is torch's ``next_rendezvous()``; then every node writes its ``NodeInfo`` to the round's
   store and reads the others', and ``plan_round`` says where it stands. The result is

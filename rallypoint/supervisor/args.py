@@ -17,7 +17,7 @@ USAGE_EXIT = 2
 HANG_TIMEOUT_S = 300.0
 STANDBY_DELAY_S = 10.0
 RDZV_TIMEOUT_S = 600.0
-RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
+RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2")
 
 DESCRIPTION = """\
 Start the ranks of one replica group (where torchrun was) and keep the group running:
@@ -225,11 +225,12 @@ def _node_flags(args: argparse.Namespace) -> dict[str, object]:
         if node_rank > 0:
             raise UsageError(f"--node-rank {node_rank} with --nnodes 1: a group of one node has only node rank 0")
         return {}
-    if not args.rdzv_endpoint and args.rdzv_backend != "static":
+    if not args.rdzv_endpoint:
         raise UsageError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node of the group "
                          "(c10d: the host of one of them)")
-    if args.rdzv_backend == "static" and node_rank < 0:
-        raise UsageError("--rdzv-backend static needs --node-rank on every node")
+    if args.rdzv_backend in ("etcd", "etcd-v2") and importlib.util.find_spec("etcd") is None:
+        raise UsageError(f"--rdzv-backend {args.rdzv_backend} needs the python-etcd package (torch's etcd rendezvous "
+                         "client): pip install python-etcd; or use --rdzv-backend c10d")
     if not -1 <= node_rank < nnodes:
         raise UsageError(f"--node-rank {node_rank} is not in 0..{nnodes - 1} (--nnodes {nnodes})")
     if not args.rdzv_timeout > 0:
@@ -237,7 +238,7 @@ def _node_flags(args: argparse.Namespace) -> dict[str, object]:
     from rallypoint.supervisor.nodes import split_endpoint
 
     try:
-        host, port = split_endpoint(args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or 29400}")
+        host, port = split_endpoint(args.rdzv_endpoint)
     except ValueError:
         raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST:PORT") from None
     if not host or not 0 <= port <= 65535:
