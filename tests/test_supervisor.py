@@ -292,6 +292,26 @@ def test_the_store_host_moves_when_its_port_was_taken() -> None:
     assert reopen(open_store, 4000)[1] == 5123 and opened == [4001, 0]
 
 
+def test_the_store_listens_only_on_the_group_address(tmp_path: Path) -> None:
+    """The group's store is reachable at the address the ranks use (``--master-addr``), and
+    not on the host's other addresses (here: 127.0.0.1 while it listens on 127.0.0.2)."""
+    import io
+    import socket
+    import threading
+
+    from rallypoint.supervisor._procs import StoreHost
+
+    store = StoreHost("127.0.0.2", 0, "[store] ", io.BytesIO(), threading.Lock(), on_exit=lambda rc: None,
+                      rundir=str(tmp_path / "run"))
+    try:
+        port = store.port(60)
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+    finally:
+        store.close()
+
+
 DUMPER = textwrap.dedent(
     """
     import os, signal, sys

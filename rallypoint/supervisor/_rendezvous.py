@@ -8,7 +8,8 @@ decisions in ``nodes.py``.
   logged); the others connect to it, retrying until ``--rdzv-timeout``. torch's
   ``C10dRendezvousBackend`` and ``DynamicRendezvousHandler`` run the rounds. ``etcd`` and
   ``etcd-v2`` come from torch's handler registry as torchrun makes them (they need the
-  python-etcd client; the announcements and the fast poll are c10d's only).
+  python-etcd client; the announcements that catch mismatched command lines early are
+  c10d's only).
 - Each round (``join``, on a thread: it blocks until every node arrived or the timeout)
   is torch's ``next_rendezvous()``; then every node writes its ``NodeInfo`` to the round's
   store and reads the others', and ``plan_round`` says where it stands. The result is
