@@ -190,6 +190,9 @@ def test_a_rank_of_the_group_gone_makes_backward_raise_and_the_step_fail() -> No
         (None, None, (2, 1), {"MASTER_ADDR": "h", "MASTER_PORT": "5"}, GroupPlan("init", 2, 1, "h:5")),
         (None, None, (None, None), {"WORLD_SIZE": "3", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "5"},
          GroupPlan("init", 3, 2, "h:5")),
+        # not initialised, several ranks, no store (ranks as threads, torchft's own tests): across groups only
+        (None, None, (2, 0), {}, GroupPlan("cross", 2, 0)),
+        (None, None, (None, None), {"WORLD_SIZE": "2", "MASTER_ADDR": "h"}, GroupPlan("cross", 2, 0)),
     ],
 )
 def test_which_group_averages_inside_the_replica_group(given: Any, default: Any, manager: Any,
@@ -200,8 +203,6 @@ def test_which_group_averages_inside_the_replica_group(given: Any, default: Any,
 @pytest.mark.parametrize(
     ("default", "manager", "environ", "says"),
     [
-        (None, (2, 0), {}, "torch.distributed is not initialised"),
-        (None, (None, None), {"WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "rallypoint run"),
         ((4, 0), (2, 0), {}, "default process group has 4 rank(s) but the manager's replica group has 2"),
         ((1, 0), (2, 0), {}, "has 1 rank(s)"),
         ((2, 1), (2, 0), {}, "rank 1 of the default process group but group rank 0"),

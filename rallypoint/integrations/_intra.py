@@ -47,10 +47,13 @@ class GroupPlan:
 
     ``source``: ``"alone"`` (a group of one rank: nothing to average inside it),
     ``"given"`` (the caller's ``process_group``), ``"default"`` (torch's initialised
-    default group) or ``"init"`` (initialise the default group, rank ``rank`` of
-    ``world_size``, in the store at ``master``)."""
+    default group), ``"init"`` (initialise the default group, rank ``rank`` of
+    ``world_size``, in the store at ``master``) or ``"cross"`` (no group to average
+    inside and no store to make one in: across replica groups only, as torchft's
+    wrapper does; the ranks of the group drift unless the caller averages inside it,
+    and the wrapper warns)."""
 
-    source: Literal["alone", "given", "default", "init"]
+    source: Literal["alone", "given", "default", "init", "cross"]
     world_size: int = 1
     rank: int = 0
     master: str | None = None
@@ -74,8 +77,11 @@ def plan_group(given: tuple[int, int] | None, default: tuple[int, int] | None,
     torch's default group (None when not given / not initialised); ``manager``: its
     ``(group_world_size, group_rank)`` where it says (torchft's Manager does not);
     ``environ``: ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
-    Raises ``ValueError`` for a default group that is not this replica group's ranks, or
-    a group of several ranks with no store to initialise one in."""
+    Raises ``ValueError`` for a default group that is not this replica group's ranks.
+    A group of several ranks with no store to initialise one in (ranks as threads of one
+    process, a Manager given its store explicitly, as torchft's own tests do) averages
+    across groups only (``cross``): refusing it would break code written for torchft's
+    wrapper, which never averages inside the group."""
     m_world, m_rank = manager
     if given is not None:
         world, rank = given
@@ -100,12 +106,7 @@ def plan_group(given: tuple[int, int] | None, default: tuple[int, int] | None,
     rank = m_rank if m_rank is not None else (_int(environ, "RANK") or 0)
     addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
     if not addr or not port:
-        raise ValueError(
-            f"group rank {rank} of a replica group of {world} ranks: its gradients must also be averaged inside "
-            "the group, and torch.distributed is not initialised. Launch the group with `rallypoint run` or "
-            "torchrun (they set MASTER_ADDR/MASTER_PORT and host the group's store), or call "
-            "torch.distributed.init_process_group over the group's ranks before wrapping the model"
-        )
+        return GroupPlan("cross", world, rank)
     return GroupPlan("init", world, rank, f"{addr}:{port}")
 
 
@@ -126,6 +127,14 @@ def resolve_group(process_group: Any, manager: object, module: torch.nn.Module,
     plan = plan_group(given, default, (None if m_world is None else int(m_world), None if m_rank is None else int(m_rank)),
                       env)
     if plan.source == "alone":
+        return None, plan
+    if plan.source == "cross":
+        log.warning(
+            "group rank %d of a replica group of %d ranks: torch.distributed is not initialised and there is no "
+            "MASTER_ADDR/MASTER_PORT to initialise it in, so gradients are averaged across replica groups only and "
+            "this group's ranks will drift apart unless you average inside the group yourself. Launch the group "
+            "with `rallypoint run` or torchrun, or call torch.distributed.init_process_group over the group's "
+            "ranks before wrapping the model", plan.rank, plan.world_size)
         return None, plan
     if plan.source == "given":
         return process_group, plan
