@@ -337,7 +337,12 @@ def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tup
                              "--state", str(tmp_path / "lh.db"), *args], stdout=subprocess.PIPE,
                             stderr=open(log, "w"), text=True, cwd=ROOT, env={**child_env, **(env or {})})
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or ()], daemon=True).start()
+
+    def pump() -> None:
+        for line in proc.stdout or ():
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
     return proc, lines, log
 
 
