@@ -34,7 +34,7 @@ import pytest
 
 from rallypoint._net.inject import Injection, inject_allowed
 from rallypoint._proto import torchft_pb2 as pb
-from rallypoint.cli import lighthouse_token, without_token
+from rallypoint.cli import lighthouse_token, main, without_token
 from rallypoint.lighthouse.client import LighthouseClient
 from rallypoint.lighthouse.injections import (INJECT_NEEDS_OPERATOR, INJECT_NEEDS_TOKEN, INJECT_OFF,
                                               inject_refusal)
@@ -296,7 +296,8 @@ def test_attack_anonymous_injection_into_an_open_job_is_refused_and_counted(ligh
         assert [i["kind"] for i in _pending(lh, "llama")["llama_0"]] == ["nan-grad"]
 
 
-def test_attack_injection_is_off_without_allow_inject(lighthouse, listeners) -> None:
+def test_attack_injection_is_off_without_allow_inject(lighthouse, listeners, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     lh = lighthouse(token=OPERATOR, jobs=JOBS, http_bind="127.0.0.1:0")
     _victims(lh, listeners)
     with _http(lh) as http:
@@ -305,9 +306,13 @@ def test_attack_injection_is_off_without_allow_inject(lighthouse, listeners) -> 
             r = http.post("/inject", json={"kind": "lighthouse-restart"}, headers=headers)
             assert r.status_code == 403 and "--allow-inject" in r.text, r.text
         with LighthouseClient(lh.local_address(), token=OPERATOR) as c:
-            with pytest.raises(Exception, match="allow-inject"):
+            with pytest.raises(ValueError, match="allow-inject"):
                 c.inject({"kind": "kill", "replica": "torchft_0"})
-        assert _rejected(http, "inject_refused") == 3
+        monkeypatch.setenv("RALLYPOINT_TOKEN", OPERATOR)
+        assert main(["inject", "kill", "--replica", "torchft_0", "--lighthouse", lh.local_address()]) == 1
+        err = capsys.readouterr().err
+        assert "refused by the lighthouse" in err and "--allow-inject" in err, err
+        assert _rejected(http, "inject_refused") == 4
         assert _snapshot(http, "default") == events and _pending(lh) == {}
 
 
