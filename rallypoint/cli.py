@@ -135,7 +135,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from rallypoint._net.inject import KINDS
 
-    ij = sub.add_parser("inject", help="inject a fault into a replica group (carried out at its next step boundary)")
+    ij = sub.add_parser("inject", help="inject a fault into a replica group (carried out at its next step boundary)",
+                        description="Needs a lighthouse started with --allow-inject, managers with "
+                                    "RALLYPOINT_ALLOW_INJECT=1, and RALLYPOINT_TOKEN set to the job's token or the "
+                                    "operator's (lighthouse-restart: the operator's).")
     ij.add_argument("kind", choices=KINDS)
     ij.add_argument("--replica", default=None, help="replica id, or the REPLICA_GROUP_ID it starts with "
                                                     "(not for lighthouse-restart)")

@@ -158,7 +158,7 @@ class LighthouseServer:
         if not secured(self._token, configs) and not addrs.is_loopback(host):
             log.warning(
                 "lighthouse bound to %s without a token: anyone who can reach it can join or "
-                "kill replicas; pass --token or set RALLYPOINT_TOKEN",
+                "kill replicas; pass --token-file PATH or set RALLYPOINT_TOKEN",
                 self._bind,
             )
         if self._allow_inject:
