@@ -228,7 +228,7 @@ def test_attack_kill_through_an_open_job_never_receives_the_operator_token(light
         assert r.status_code == 401
         r = http.post("/replica/llama_0/kill", params={"job": "llama"}, headers=_bearer("guess"), json={})
         assert r.status_code == 401
-        assert _rejected(http, "unauthenticated", "llama") >= refused_before + 1  # the gRPC refusal
+        assert _rejected(http, "unauthenticated", "llama") == refused_before + 3  # gRPC and both HTTP refusals
         assert _snapshot(http, "llama") == before and llama.received() == []
 
         # An operator's kill of the open job's replica carries nothing either (it may be re-pointed).

@@ -24,7 +24,7 @@ import errno
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
@@ -114,7 +114,7 @@ _INJECT_REFUSALS = Throttle(1.0)  # a flood of refused injections logs one line 
 
 
 def create_app(view: LighthouseView, token: str | None = None, *, jobs: JobSource | None = None,
-               admit: Admit | None = None) -> FastAPI:
+               admit: Admit | None = None, on_reject: Callable[[str, str], None] | None = None) -> FastAPI:
     """Build the lighthouse's FastAPI app over ``view``.
 
     ``token``: when set, every route that reveals or changes state (``/status``,
@@ -142,7 +142,7 @@ def create_app(view: LighthouseView, token: str | None = None, *, jobs: JobSourc
         pick = single_job_picker(view, token)
     else:
         admits = admit if admit is not None else default_admit(token, jobs.configs)
-        pick = job_picker(view, jobs, admits)
+        pick = job_picker(view, jobs, admits, on_reject)  # on_reject(job, why): each refused credential
 
     def status_doc(picked: Picked) -> dict[str, Any]:
         doc = picked.view.status()

@@ -255,7 +255,7 @@ class LighthouseServer:
             if self._http_bind:
                 token = self._token
                 app = create_app(first.view, self._token, jobs=table,
-                                 admit=lambda job, hdr: admit(job, hdr, token, configs))
+                                 admit=lambda job, hdr: admit(job, hdr, token, configs), on_reject=on_reject)
                 http = HttpService(app, self._http_bind, tls=self._tls)
                 await http.start()
                 self._http_address = http.address()
