@@ -19,6 +19,10 @@ to recover (injection -> the group back in a quorum, or the job committing again
 rounds that failed, whether a corrupt step was committed anywhere, and the job's goodput
 over the drill from the lighthouse's ledger. Prints a table and one JSON line.
 
+Fault injection is off unless turned on: a live job's lighthouse must run with ``--allow-inject``
+and its groups with ``RALLYPOINT_ALLOW_INJECT=1`` (the job this script starts has both), and
+``--token`` must be the job's token or the operator's (``lighthouse``: the operator's).
+
 Run: ``python examples/chaos_drills.py`` (about two minutes; ``--drills kill,slow`` for some).
 Loopback and OS-assigned ports only; stops everything it started.
 """
@@ -171,7 +175,8 @@ class OwnJob:
     def start(self) -> Job:
         cmd = [sys.executable, "-m", "rallypoint", "lighthouse", "--min-replicas", "2", "--join-timeout-ms", "2000",
                "--heartbeat-timeout-ms", "3000", "--stragglers", "evict", "--straggler-cooldown-s", "5",
-               "--bind", "127.0.0.1:0", "--http-bind", "127.0.0.1:0", "--state", str(self.dir / "lighthouse.db")]
+               "--bind", "127.0.0.1:0", "--http-bind", "127.0.0.1:0", "--state", str(self.dir / "lighthouse.db"),
+               "--allow-inject"]  # fault injection is off unless turned on, here and in every group
         lh = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.dir / "lighthouse.log", "w"), text=True,
                               start_new_session=True)
         self.procs.append(lh)
@@ -179,7 +184,7 @@ class OwnJob:
         if not select.select([lh.stdout], [], [], 60)[0]:
             raise TimeoutError("the lighthouse did not report its ports")
         info = json.loads(lh.stdout.readline())
-        env = dict(os.environ, RALLYPOINT_SDC_CHECK="1", RALLYPOINT_SDC_CHECK_EVERY="20", OMP_NUM_THREADS="1",
+        env = dict(os.environ, RALLYPOINT_ALLOW_INJECT="1", RALLYPOINT_SDC_CHECK="1", RALLYPOINT_SDC_CHECK_EVERY="20", OMP_NUM_THREADS="1",
                    NUM_REPLICA_GROUPS=str(len(self.groups)), TORCH_CPP_LOG_LEVEL="ERROR", PYTHONWARNINGS="ignore")
         for k in ("TORCHFT_LIGHTHOUSE", "RALLYPOINT_LIGHTHOUSE", "REPLICA_GROUP_ID", "RANK", "WORLD_SIZE",
                   "MASTER_ADDR", "MASTER_PORT"):

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any, Sequence
 
+from rallypoint._cli_secrets import lighthouse_token, without_token  # re-exported (tests, users)
+
 log = logging.getLogger("rallypoint.cli")
 
 DEFAULT_LIGHTHOUSE = "http://localhost:29510"
@@ -59,7 +61,16 @@ def _build_parser() -> argparse.ArgumentParser:
     _flag(lh, "http-bind", default="[::]:29511", help="HTTP dashboard address ([::]:29511); 'off' disables it")
     _flag(lh, "state", default=DEFAULT_STATE, help=f"SQLite state file ({DEFAULT_STATE}); ':memory:' keeps nothing across restarts; "
           "etcd://host:port[,host:port...]/prefix keeps it in etcd, where several lighthouses elect a leader (HA)")
-    _flag(lh, "token", default=None, help="require 'authorization: Bearer TOKEN' (default: $RALLYPOINT_TOKEN)")
+    _flag(lh, "token-file", default=None, metavar="PATH",
+          help="file holding the token every call must send as 'authorization: Bearer TOKEN' (default: "
+               "$RALLYPOINT_TOKEN); the file should be readable by this user only")
+    _flag(lh, "token", default=None,
+          help="the token itself (discouraged: every user of the host sees a command line; use --token-file or "
+               "$RALLYPOINT_TOKEN)")
+    _flag(lh, "allow-inject", action="store_true", default=None,
+          help="accept fault injections (`rallypoint inject`, POST /inject) from the operator's or the job's token "
+               "holders; off by default (default: $RALLYPOINT_ALLOW_INJECT=1); managers need "
+               "RALLYPOINT_ALLOW_INJECT=1 too")
     _flag(lh, "forget-after-ms", type=int, default=None, help="forget replicas silent this long (10 x heartbeat timeout)")
     _flag(lh, "tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS (default: $RALLYPOINT_TLS_CERT)")
     _flag(lh, "tls-key", default=None, help="PEM private key of --tls-cert (default: $RALLYPOINT_TLS_KEY)")
@@ -126,7 +137,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from rallypoint._net.inject import KINDS
 
-    ij = sub.add_parser("inject", help="inject a fault into a replica group (carried out at its next step boundary)")
+    ij = sub.add_parser("inject", help="inject a fault into a replica group (carried out at its next step boundary)",
+                        description="Needs a lighthouse started with --allow-inject, managers with "
+                                    "RALLYPOINT_ALLOW_INJECT=1, and RALLYPOINT_TOKEN set to the job's token or the "
+                                    "operator's (lighthouse-restart: the operator's).")
     ij.add_argument("kind", choices=KINDS)
     ij.add_argument("--replica", default=None, help="replica id, or the REPLICA_GROUP_ID it starts with "
                                                     "(not for lighthouse-restart)")
@@ -200,11 +214,10 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
     from rallypoint.lighthouse.etcd_state import EtcdUnavailable
     from rallypoint.lighthouse.state import StateFileError
 
-    from rallypoint._net.auth import job_token
     from rallypoint._net.tls import tls_config
 
     try:
-        token = job_token(args.token)
+        token = lighthouse_token(args.token, args.token_file)
         tls = tls_config(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_ca, args.require_tls)
         jobs, max_jobs = _jobs_file(args)
     except ValueError as e:
@@ -230,6 +243,7 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
             ha_ttl_s=args.etcd_ttl_s,
             jobs=jobs,
             max_jobs=max_jobs,
+            allow_inject=args.allow_inject,
             # A restart from an in-memory state would hand out quorum ids again: refused then.
             on_restart=restart.set if args.state != ":memory:" else None,
         )
@@ -254,7 +268,7 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
             return 1
     server.shutdown()
     if restart.is_set():
-        _restart_lighthouse(args.argv, server.address(), server.http_address())
+        _restart_lighthouse(args.argv, server.address(), server.http_address(), token)
     return 0
 
 
@@ -284,12 +298,18 @@ def pin_ports(argv: list[str], flags: dict[str, tuple[str | None, str]]) -> list
     return out
 
 
-def _restart_lighthouse(given: list[str], grpc_addr: str, http_addr: str | None) -> None:
+def _restart_lighthouse(given: list[str], grpc_addr: str, http_addr: str | None, token: str | None) -> None:
     """A `lighthouse-restart` injection: start this command again in this process (the
     same pid, so a supervisor sees no exit), on the ports it had (a ``:0`` bind would move
-    it), from its state file. Clients see it go and come back, as after a real restart."""
-    argv = pin_ports(given, {"--bind": (grpc_addr, "[::]"), "--http-bind": (http_addr, "[::]")})
-    log.warning("restarting the lighthouse (injected): %s -m rallypoint %s", sys.executable, " ".join(argv))
+    it), from its state file. Clients see it go and come back, as after a real restart.
+    A ``--token`` of the command line moves to ``RALLYPOINT_TOKEN`` (the new command line
+    holds no token); nothing of the command line is logged."""
+    from rallypoint._net.auth import TOKEN_ENV
+
+    argv = pin_ports(without_token(given), {"--bind": (grpc_addr, "[::]"), "--http-bind": (http_addr, "[::]")})
+    if token is not None:
+        os.environ[TOKEN_ENV] = token  # a --token of the command line, now out of it (a --token-file still wins)
+    log.warning("restarting the lighthouse (injected) on %s%s", grpc_addr, f" and {http_addr}" if http_addr else "")
     for h in logging.getLogger().handlers:
         h.flush()
     sys.stdout.flush()

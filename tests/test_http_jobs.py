@@ -47,6 +47,9 @@ class JobView(FakeView):
     def status(self) -> dict[str, Any]:
         return {"quorum_id": 1, "replicas": [{"replica_id": f"{self.job}-rep"}], "owner": self.job}
 
+    def inject_refusal(self, kind: str, authorization: str | None) -> str | None:
+        return None  # these tests are about which job a request reaches; the gate: test_attacks_lighthouse
+
     def inject(self, name: str, inj: Injection) -> str:
         self.injections.append((name, inj.kind))
         return name

@@ -27,6 +27,14 @@ from rallypoint.manager._inject import Injector, first_float_tensor, flip_bit
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _injection_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection is off unless turned on: these tests turn it on for their lighthouses
+    (``RALLYPOINT_ALLOW_INJECT`` is what ``LighthouseServer`` reads by default) and for the
+    replica processes they start (which inherit the environment)."""
+    monkeypatch.setenv("RALLYPOINT_ALLOW_INJECT", "1")
+
+
 # ------------------------------------------------------------------ requests (pure)
 @pytest.mark.parametrize("body, error", [
     (b'{"kind": "meteor", "replica": "a"}', "unknown injection kind 'meteor'"),
@@ -100,7 +108,7 @@ def test_flip_bit_changes_exactly_one_bit(dtype: torch.dtype) -> None:
 def test_injector_arms_one_gradient_fault_per_round_and_honours_at_step() -> None:
     closing = threading.Event()
     model = torch.nn.Linear(3, 2)
-    inj = Injector("r", lambda: {"model": model.state_dict()}, closing)
+    inj = Injector("r", lambda: {"model": model.state_dict()}, closing, allowed=True)
     inj.add([Injection("1", "nan-grad", at_step=5), Injection("2", "bitflip-param")])
     w0 = model.weight.detach().clone()
     assert inj.at_step_start(4, None) == {"injected": ["bitflip-param"]}  # nan-grad waits for step 5
@@ -120,7 +128,7 @@ def test_injector_arms_one_gradient_fault_per_round_and_honours_at_step() -> Non
 
 def test_injected_slowness_stretches_by_the_factor_and_ends() -> None:
     now = [100.0]
-    inj = Injector("r", dict, threading.Event(), clock=lambda: now[0])
+    inj = Injector("r", dict, threading.Event(), clock=lambda: now[0], allowed=True)
     inj.add([Injection("s", "slow", factor=3.0, for_s=5.0)])
     done = inj.at_step_start(1, base_compute_s=0.01)
     assert done["injected"] == ["slow"] and done["injected_sleep_s"] == pytest.approx(0.02)
@@ -251,7 +259,7 @@ def test_lighthouse_restart_injection_restarts_in_place_with_its_state(tmp_path:
     state = tmp_path / "lh.db"
     proc = subprocess.Popen([sys.executable, "-m", "rallypoint", "lighthouse", "--min-replicas", "1",
                              "--bind", "127.0.0.1:0", "--http-bind", "off", "--join-timeout-ms", "100",
-                             "--state", str(state)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             "--state", str(state), "--allow-inject"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             cwd=ROOT)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or ()], daemon=True).start()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,12 +21,25 @@ INJECT_KEY = "rallypoint-inject-bin"
 #: Kinds the manager carries out; the lighthouse carries out ``lighthouse-restart``.
 MANAGER_KINDS = ("kill", "hang", "slow", "nan-grad", "bitflip-grad", "bitflip-param", "drop-collective")
 KINDS = (*MANAGER_KINDS, "lighthouse-restart")
+#: Fault injection is off unless this is "1" (or the lighthouse's ``--allow-inject``): a
+#: lighthouse and a Manager carry out injections only when their operator turned them on.
+ALLOW_INJECT_ENV = "RALLYPOINT_ALLOW_INJECT"
 #: Largest injection list accepted (bytes of JSON), checked before it is parsed.
 MAX_INJECT_BYTES = 4096
 MAX_INJECTIONS = 8
 MAX_ID_CHARS = 64
 MAX_FOR_S = 86400.0
 MAX_FACTOR = 1000.0
+
+def inject_allowed(explicit: bool | None = None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether fault injection is on: ``explicit`` if given, else ``RALLYPOINT_ALLOW_INJECT=1``.
+    Off by default: an injection kills, hangs or corrupts a replica, so carrying one out is
+    something an operator turns on for a drill, never a default of a production job."""
+    if explicit is not None:
+        return explicit
+    env = os.environ if environ is None else environ
+    return env.get(ALLOW_INJECT_ENV, "").strip() == "1"
+
 
 @dataclass(frozen=True)
 class Injection:
@@ -93,5 +108,5 @@ def encode_injections(injections: list[Injection]) -> bytes:
     return json.dumps([i.to_json() for i in injections], separators=(",", ":")).encode()
 
 
-__all__ = ["INJECT_KEY", "KINDS", "MANAGER_KINDS", "MAX_INJECT_BYTES", "MAX_INJECTIONS", "Injection",
-           "check_injection", "encode_injections", "parse_injections"]
+__all__ = ["ALLOW_INJECT_ENV", "INJECT_KEY", "KINDS", "MANAGER_KINDS", "MAX_INJECT_BYTES", "MAX_INJECTIONS", "Injection",
+           "check_injection", "encode_injections", "inject_allowed", "parse_injections"]

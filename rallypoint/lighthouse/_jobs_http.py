@@ -147,10 +147,12 @@ def default_admit(token: str | None, configs: Mapping[str, JobConfig]) -> Admit:
     return lambda job, header: rules.admit(job, header, token, configs)
 
 
-def job_picker(view: Any, jobs: JobSource, admit: Admit) -> Callable[..., Awaitable[Picked]]:
+def job_picker(view: Any, jobs: JobSource, admit: Admit,
+               on_reject: Callable[[str, str], None] | None = None) -> Callable[..., Awaitable[Picked]]:
     """The dependency of an app over a job table: the job of ``?job=`` (default
     ``default``), checked as the module docstring says. ``view`` serves the default job
-    while the table has none (an HA standby before its first term)."""
+    while the table has none (an HA standby before its first term). ``on_reject(job, why)``
+    is told of each refused credential (the lighthouse counts it in ``/metrics``)."""
     refusals = _Refusals()
 
     async def pick(request: Request, job: str | None = Query(None, description="the job (default: 'default')")
@@ -159,6 +161,8 @@ def job_picker(view: Any, jobs: JobSource, admit: Admit) -> Callable[..., Awaita
         why = admit(name, request.headers.get("authorization"))
         if why is not None:
             refusals.log(request, name, why)
+            if on_reject is not None:
+                on_reject(name, why)
             raise HTTPException(status_code=401, detail=rules.refusal_hint(name, why, http=True),
                                 headers={"WWW-Authenticate": "Bearer"})
         entry = jobs.get(name)

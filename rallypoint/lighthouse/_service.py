@@ -29,7 +29,7 @@ from rallypoint.lighthouse import reports, validate
 from rallypoint.lighthouse._jobtable import Job, JobTable, TooManyJobs
 from rallypoint.lighthouse._view import _raw
 from rallypoint.lighthouse.core import OUTBOX_LIMIT, LighthouseCore, ReplicaDead, _Attachment
-from rallypoint.lighthouse.injections import UnknownReplica, check_request
+from rallypoint.lighthouse.injections import UnknownReplica, check_request, refusal_detail
 from rallypoint.lighthouse.jobs import refusal_hint
 
 log = logging.getLogger("rallypoint.lighthouse")
@@ -203,6 +203,15 @@ class _Service:
             await self._invalid(context, e)
             raise AssertionError("unreachable")
         job = await self._job(context, create=False)
+        header = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        why = job.view.inject_refusal(inj.kind, header)
+        if why is not None:
+            left_out = self._log_throttle.ready()
+            if left_out is not None:
+                log.warning("refused a %s injection into job %r from %s: %s%s", inj.kind, job.name, context.peer(), why,
+                            left_out_note(left_out, "other refusals"))
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal_detail(why, inj.kind, job.name))
+            raise AssertionError("unreachable")
         try:
             rid = job.view.inject(name, inj)
         except UnknownReplica as e:

@@ -19,7 +19,7 @@ from rallypoint._net.tls import TlsConfig, aio_channel
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint.lighthouse import leases as ls
 from rallypoint.lighthouse.core import LighthouseCore
-from rallypoint.lighthouse.injections import LIGHTHOUSE_KINDS, resolve
+from rallypoint.lighthouse.injections import INJECT_OFF, LIGHTHOUSE_KINDS, resolve
 from rallypoint.lighthouse.metrics import LighthouseMetrics
 
 log = logging.getLogger("rallypoint.lighthouse")
@@ -34,15 +34,26 @@ class _View:
     """What the HTTP app sees (called on the loop thread)."""
 
     def __init__(self, core: LighthouseCore, metrics: LighthouseMetrics, token: str | None, tls: TlsConfig,
-                 on_restart: Callable[[], None] | None = None, job: str = DEFAULT_JOB) -> None:
+                 on_restart: Callable[[], None] | None = None, job: str = DEFAULT_JOB,
+                 inject_gate: Callable[[str, str | bytes | None], str | None] | None = None) -> None:
         self.core = core
         self.job = job
         self._metrics = metrics
-        self._token = token
+        self._token = token  # what a forwarded kill carries: the job's credential (jobs.kill_credential)
+        # (kind, authorization) -> None or why not (injections.inject_refusal); None: injection off.
+        self._inject_gate = inject_gate
         self._tls = tls
         self._on_restart = on_restart
         self.leads: Callable[[], bool] = lambda: True  # an HA standby: False (it changes nothing)
         self.role: Callable[[], str] = lambda: "single"  # "leader" / "standby" with etcd state
+
+    def inject_refusal(self, kind: str, authorization: str | bytes | None) -> str | None:
+        """None when a caller with ``authorization`` (already admitted to this job) may
+        inject a ``kind`` fault; else why not, counted in ``/metrics`` as ``inject_refused``."""
+        why = INJECT_OFF if self._inject_gate is None else self._inject_gate(kind, authorization)
+        if why is not None:
+            self._metrics.rejected("inject_refused")
+        return why
 
     def inject(self, name: str, inj: Injection) -> str:
         """Accept a checked injection (see :mod:`injections`); returns the replica it goes

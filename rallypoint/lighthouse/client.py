@@ -282,7 +282,8 @@ class LighthouseClient:
     def inject(self, request: dict[str, Any], timeout: float = 10.0) -> tuple[str, str]:
         """Ask for a fault injection (``{"kind": ..., "replica": ..., ...}``; see
         :mod:`rallypoint.lighthouse.injections`); returns ``(injection id, replica id)``.
-        Raises KeyError for an unknown replica, ValueError for a refused request."""
+        Raises KeyError for an unknown replica, ValueError for a refused request (malformed,
+        injection off on the lighthouse, or a token that may not inject)."""
         msg = rpb.InjectRequest(json=json.dumps(request))
 
         def attempt(ep: _Endpoint, left: float) -> tuple[str, str]:
@@ -296,7 +297,8 @@ class LighthouseClient:
             e = f.error
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise KeyError(e.details()) from None
-            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.PERMISSION_DENIED):  # injection off, or this token may not inject
                 raise ValueError(e.details()) from None
             raise translate_rpc_error(e, f"injection via {self._where(f.addr)}", timeout) from None
 

@@ -24,7 +24,7 @@ import errno
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,7 +46,7 @@ from rallypoint.lighthouse._jobs_http import Admit, JobSource, Picked, add_job_r
 from rallypoint.lighthouse._jobs_http import default_admit, job_picker, single_job_picker
 from rallypoint.lighthouse._http_body import DEFAULT_KILL_REASON  # noqa: F401 - re-exported (tests, users)
 from rallypoint.lighthouse._http_body import kill_reason as _kill_reason, read_capped as _read_capped
-from rallypoint.lighthouse.injections import MAX_REQUEST_BYTES, UnknownReplica, check_request
+from rallypoint.lighthouse.injections import MAX_REQUEST_BYTES, UnknownReplica, check_request, refusal_detail
 from rallypoint.lighthouse.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 logger = logging.getLogger("rallypoint.lighthouse.http")
@@ -86,6 +86,10 @@ class LighthouseView(Protocol):
         """Prometheus text exposition."""
         ...
 
+    def inject_refusal(self, kind: str, authorization: str | None) -> str | None:
+        """None when this caller may inject a ``kind`` fault; else why not (counted)."""
+        ...
+
     def inject(self, name: str, inj: Injection) -> str:
         """Accept a fault injection; the replica it goes to (raises as ``_View.inject``)."""
         ...
@@ -106,10 +110,11 @@ def _dashboard_html() -> str:
 
 
 _client = client_of  # the name tests and older code use
+_INJECT_REFUSALS = Throttle(1.0)  # a flood of refused injections logs one line a second
 
 
 def create_app(view: LighthouseView, token: str | None = None, *, jobs: JobSource | None = None,
-               admit: Admit | None = None) -> FastAPI:
+               admit: Admit | None = None, on_reject: Callable[[str, str], None] | None = None) -> FastAPI:
     """Build the lighthouse's FastAPI app over ``view``.
 
     ``token``: when set, every route that reveals or changes state (``/status``,
@@ -117,7 +122,8 @@ def create_app(view: LighthouseView, token: str | None = None, *, jobs: JobSourc
     the status lists every manager and store address. Only ``/healthz`` and the
     dashboard shell (``/``, which asks for the token) stay open.
     The interactive docs (/docs, /redoc) are off: they load scripts from a CDN, and
-    lighthouses often run on hosts without internet access.
+    lighthouses often run on hosts without internet access. ``/openapi.json`` is off too:
+    it would answer without a token and map every route for a caller who has none.
 
     ``jobs`` (the lighthouse's job table): serve many jobs. Every state route then takes
     ``?job=NAME`` (default ``default``) and checks the caller with ``admit(job,
@@ -130,12 +136,13 @@ def create_app(view: LighthouseView, token: str | None = None, *, jobs: JobSourc
         title="rallypoint lighthouse",
         docs_url=None,
         redoc_url=None,
+        openapi_url=None,
     )
     if jobs is None:
         pick = single_job_picker(view, token)
     else:
         admits = admit if admit is not None else default_admit(token, jobs.configs)
-        pick = job_picker(view, jobs, admits)
+        pick = job_picker(view, jobs, admits, on_reject)  # on_reject(job, why): each refused credential
 
     def status_doc(picked: Picked) -> dict[str, Any]:
         doc = picked.view.status()
@@ -256,6 +263,16 @@ def create_app(view: LighthouseView, token: str | None = None, *, jobs: JobSourc
         raw = await _read_capped(request, MAX_REQUEST_BYTES, "inject")
         try:
             name, inj = check_request(raw)
+        except ValueError as e:
+            raise HTTPException(status_code=422, detail=str(e)) from None
+        why = picked.view.inject_refusal(inj.kind, request.headers.get("authorization"))
+        if why is not None:  # off, or a caller admitted to the job (maybe an open one) without the right token
+            left_out = _INJECT_REFUSALS.ready()
+            if left_out is not None:
+                logger.warning("refused a %s injection into job %r from %s: %s%s", inj.kind, picked.job,
+                               _client(request), why, left_out_note(left_out, "other refusals"))
+            raise HTTPException(status_code=403, detail=refusal_detail(why, inj.kind, picked.job))
+        try:
             rid = picked.view.inject(name, inj)
         except UnknownReplica as e:
             raise HTTPException(status_code=404, detail=str(e)) from None

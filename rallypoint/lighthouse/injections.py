@@ -1,5 +1,6 @@
 """Fault injection at the lighthouse: operators ask for a fault (``rallypoint inject``, the
-gRPC ``Inject`` call or ``POST /inject``, all behind the job token), the lighthouse checks
+gRPC ``Inject`` call or ``POST /inject``, all behind the job token; off unless the lighthouse
+was started with ``--allow-inject``, see :func:`inject_refusal`), the lighthouse checks
 the request, records it in the event log and hands it to the replica group with its next
 quorum answer (``rallypoint._net.inject``; the group's manager carries it out at a step
 boundary). ``lighthouse-restart`` is carried out by the lighthouse itself, and only where
@@ -22,12 +23,54 @@ import secrets
 from collections.abc import Collection
 from typing import Any
 
-from rallypoint._net.inject import KINDS, MAX_INJECT_BYTES, MAX_INJECTIONS, Injection, check_injection
+from rallypoint._net.auth import bearer_matches
+from rallypoint._net.inject import ALLOW_INJECT_ENV, KINDS, MAX_INJECT_BYTES, MAX_INJECTIONS, Injection, check_injection
 
 #: The request body of ``POST /inject`` / the gRPC ``Inject`` call, at most.
 MAX_REQUEST_BYTES = 2048
 #: Kinds carried out by the lighthouse, not handed to a group.
 LIGHTHOUSE_KINDS = ("lighthouse-restart",)
+#: Why an injection was refused (:func:`inject_refusal`), as the lighthouse counts it.
+INJECT_OFF = "injection is off"
+INJECT_NEEDS_OPERATOR = "needs the operator token"
+INJECT_NEEDS_TOKEN = "needs a token"
+INJECT_HINT_OFF = (f"fault injection is off on this lighthouse: start it with --allow-inject (or "
+                   f"{ALLOW_INJECT_ENV}=1), and the replica groups' managers with {ALLOW_INJECT_ENV}=1, for a drill")
+
+
+def inject_refusal(kind: str, job: str, authorization: str | bytes | None, allowed: bool,
+                   operator_token: str | None, job_token: str | None, secured: bool) -> str | None:
+    """None when an (already admitted) caller may inject a ``kind`` fault into ``job``; else
+    why not (:data:`INJECT_OFF`, :data:`INJECT_NEEDS_OPERATOR`, :data:`INJECT_NEEDS_TOKEN`).
+
+    - off unless the lighthouse was started with ``--allow-inject``;
+    - on a lighthouse without any credential (``secured`` false) everyone is anonymous and
+      the operator turned injection on knowingly: allowed;
+    - ``lighthouse-restart`` costs every job a recovery: only the operator's token (the
+      lighthouse's ``--token``);
+    - any other kind: the job's own token or the operator's. Never an open job's anonymity:
+      being admitted to an open job (which needs no credential) is not enough.
+    ``job`` is only named in the reason; tokens compare in constant time."""
+    del job
+    if not allowed:
+        return INJECT_OFF
+    if not secured:
+        return None
+    accepted = (operator_token,) if kind in LIGHTHOUSE_KINDS else (job_token, operator_token)
+    if any(t is not None and bearer_matches(authorization, t) for t in accepted):
+        return None
+    return INJECT_NEEDS_OPERATOR if kind in LIGHTHOUSE_KINDS else INJECT_NEEDS_TOKEN
+
+
+def refusal_detail(why: str, kind: str, job: str) -> str:
+    """What a refused injector is told (never which tokens exist)."""
+    if why == INJECT_OFF:
+        return INJECT_HINT_OFF
+    if why == INJECT_NEEDS_OPERATOR:
+        return (f"a {kind} injection needs the operator's token (the lighthouse's --token), sent as "
+                "'Authorization: Bearer <token>'")
+    return (f"a {kind} injection into job {job!r} needs the job's token or the operator's (an open job's "
+            "anonymous callers may not inject), sent as 'Authorization: Bearer <token>'")
 
 
 class UnknownReplica(KeyError):
@@ -103,4 +146,5 @@ class InjectionDesk:
 
 assert MAX_INJECTIONS * 200 < MAX_INJECT_BYTES  # a full queue always fits the wire limit
 
-__all__ = ["LIGHTHOUSE_KINDS", "MAX_REQUEST_BYTES", "InjectionDesk", "UnknownReplica", "check_request", "resolve"]
+__all__ = ["INJECT_NEEDS_OPERATOR", "INJECT_NEEDS_TOKEN", "INJECT_OFF", "LIGHTHOUSE_KINDS", "MAX_REQUEST_BYTES",
+           "InjectionDesk", "UnknownReplica", "check_request", "inject_refusal", "refusal_detail", "resolve"]

@@ -124,6 +124,26 @@ def admit(job: str, authorization: str | bytes | None, lighthouse_token: str | N
     return "wrong token"
 
 
+def kill_credential(job: str, lighthouse_token: str | None, jobs: Mapping[str, JobConfig]) -> str | None:
+    """The credential a kill the lighthouse forwards to a manager of ``job`` carries.
+
+    A credential is only ever sent to a party that could have presented it, and a manager's
+    address was registered by a caller admitted to ``job``, so the kill carries what every
+    such caller holds: the job's own token (a job of the jobs file with one); nothing for an
+    open job (anyone may register an address there, so it may be an attacker's server) or
+    on a lighthouse without credentials; the lighthouse's ``--token`` only for a job guarded
+    by nothing else (the one credential that admits callers to it). The operator's token is
+    never sent for a job that has its own token or is open."""
+    if not secured(lighthouse_token, jobs):
+        return None
+    config = jobs.get(job, JobConfig())
+    if config.open:
+        return None
+    if config.token is not None:
+        return config.token
+    return lighthouse_token
+
+
 def refusal_hint(job: str, why: str, http: bool = False) -> str:
     """What a refused caller is told (never which tokens exist); ``http``: the wording for
     an HTTP request (a header, not gRPC metadata)."""
@@ -170,5 +190,6 @@ def merge_metrics(per_job: Iterable[tuple[str, Iterable[Metric]]]) -> list[Metri
     return list(merged.values())
 
 
-__all__ = ["DEFAULT_MAX_JOBS", "JOB_LABEL", "JobConfig", "admit", "etcd_namespace", "load_jobs", "merge_metrics",
+__all__ = ["DEFAULT_MAX_JOBS", "JOB_LABEL", "JobConfig", "admit", "etcd_namespace", "kill_credential", "load_jobs",
+           "merge_metrics",
            "parse_jobs", "refusal_hint", "secured", "state_path"]

@@ -52,7 +52,7 @@ QUORUM_LATENCY_BUCKETS: tuple[float, ...] = (
 #: Label values created up front (at zero) so that dashboards and alerts see the series
 #: before the first event, instead of "no data" that is easy to misread as "fine".
 KNOWN_DOWN_REASONS: tuple[str, ...] = ("stream_broken", "goodbye", "heartbeat_expired")
-KNOWN_REJECT_REASONS: tuple[str, ...] = ("invalid_argument", "unauthenticated", "rate_limited")
+KNOWN_REJECT_REASONS: tuple[str, ...] = ("invalid_argument", "unauthenticated", "rate_limited", "inject_refused")
 #: The kinds of event a ``rallypoint run`` supervisor reports (``reports.EVENT_KINDS``).
 KNOWN_RUN_EVENTS: tuple[str, ...] = ("restart", "gave_up", "stopped", "started")
 REPLICA_STATES: tuple[str, ...] = ("healthy", "participating", "attached")

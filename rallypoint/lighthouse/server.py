@@ -23,6 +23,7 @@ import grpc
 from rallypoint._net import __version__
 from rallypoint._net.auth import job_token
 from rallypoint._net.fds import raise_open_file_limit
+from rallypoint._net.inject import inject_allowed
 from rallypoint._net.job import DEFAULT_JOB, check_job
 from rallypoint._net.rpc import server_options
 from rallypoint._net.tls import TlsConfig, add_port, check_server, tls_config
@@ -31,9 +32,11 @@ from rallypoint.lighthouse import reports
 from rallypoint.lighthouse._jobtable import Job, JobTable
 from rallypoint.lighthouse._service import JobTokenInterceptor, _handlers, _Service
 from rallypoint.lighthouse.core import LighthouseCore
+from rallypoint.lighthouse.injections import inject_refusal
 from rallypoint.lighthouse.etcd_state import EtcdSession, EtcdStore, is_etcd, parse_spec
 from rallypoint.lighthouse.ha import Leadership
-from rallypoint.lighthouse.jobs import DEFAULT_MAX_JOBS, JobConfig, admit, etcd_namespace, secured, state_path
+from rallypoint.lighthouse.jobs import (DEFAULT_MAX_JOBS, JobConfig, admit, etcd_namespace, kill_credential, secured,
+                                        state_path)
 from rallypoint.lighthouse.metrics import LighthouseMetrics
 from rallypoint.lighthouse._view import _View
 from rallypoint.lighthouse.quorum import Options
@@ -57,7 +60,8 @@ class LighthouseServer:
     ``state`` is ``":memory:"`` by default here (embedding in tests and jobs); the
     ``rallypoint lighthouse`` command defaults to a file. ``join_timeout_ms`` defaults to
     100 here, as in torchft's ``LighthouseServer`` binding (the command's default is 60000). ``http_bind`` enables the
-    dashboard/status/metrics app (``None``: off). ``stragglers`` is the straggler policy
+    dashboard/status/metrics app (``None``: off). ``allow_inject``: accept fault injections
+    (default: ``RALLYPOINT_ALLOW_INJECT=1``, else off). ``stragglers`` is the straggler policy
     (:class:`~rallypoint.lighthouse.stragglers.Policy`; default: report only). Raises at
     construction if the port is taken or the state file is held by another lighthouse.
     """
@@ -82,6 +86,7 @@ class LighthouseServer:
         ha_ttl_s: float = 2.0,
         jobs: dict[str, JobConfig] | None = None,
         max_jobs: int = DEFAULT_MAX_JOBS,
+        allow_inject: bool | None = None,
     ) -> None:
         self._options = Options(
             min_replicas=min_replicas,
@@ -102,6 +107,8 @@ class LighthouseServer:
         # Called (on the loop thread) for a `lighthouse-restart` injection; None: this
         # lighthouse cannot restart itself (embedded in a process), and refuses it.
         self._on_restart = on_restart
+        # Fault injection: off unless asked for (the argument, else RALLYPOINT_ALLOW_INJECT=1).
+        self._allow_inject = inject_allowed(allow_inject)
         self._leases = leases  # grant quorum leases (LEASES.md); False: every round asks, as in torchft
         self._ha_ttl = ha_ttl_s  # state etcd://...: the leader's etcd lease (a dead leader is replaced after it)
         self._startup_timeout = startup_timeout
@@ -151,9 +158,13 @@ class LighthouseServer:
         if not secured(self._token, configs) and not addrs.is_loopback(host):
             log.warning(
                 "lighthouse bound to %s without a token: anyone who can reach it can join or "
-                "kill replicas; pass --token or set RALLYPOINT_TOKEN",
+                "kill replicas; pass --token-file PATH or set RALLYPOINT_TOKEN",
                 self._bind,
             )
+        if self._allow_inject:
+            log.warning("fault injection is ON (--allow-inject): %s can kill, hang or corrupt replica groups",
+                        "the operator's and each job's token holders" if secured(self._token, configs) else
+                        "anyone who reaches this lighthouse (it has no token)")
         any_token = self._token or next((c.token for c in configs.values() if c.token), None)
         check_server(self._tls, "the lighthouse", host, any_token, addrs.is_loopback(host))
         session: EtcdSession | None = None
@@ -174,10 +185,16 @@ class LighthouseServer:
             metrics = LighthouseMetrics()
             core = LighthouseCore(options, st, metrics, quorum_tick=self._tick, forget_after=self._forget_after,
                                   stragglers=self._stragglers, leases=self._leases)
-            # The token a kill carries to the job's managers: theirs. Only the default job
-            # may restart the lighthouse (it would cost every job a recovery).
-            view = _View(core, metrics, config.token or self._token, self._tls,
-                         self._on_restart if name == DEFAULT_JOB else None, job=name)
+            # The token a kill carries to the job's managers: the job's own, none for an open
+            # job (jobs.kill_credential). Only the default job may restart the lighthouse (it
+            # would cost every job a recovery).
+            is_secured, operator = secured(self._token, configs), self._token
+
+            def gate(kind: str, authorization: str | bytes | None) -> str | None:
+                return inject_refusal(kind, name, authorization, self._allow_inject, operator, config.token, is_secured)
+
+            view = _View(core, metrics, kill_credential(name, self._token, configs), self._tls,
+                         self._on_restart if name == DEFAULT_JOB else None, job=name, inject_gate=gate)
             view.leads, view.role = (lambda: leads()), (lambda: role())
             return Job(name, core, metrics, view, reports.EventIntake(st, metrics))
 
@@ -238,7 +255,7 @@ class LighthouseServer:
             if self._http_bind:
                 token = self._token
                 app = create_app(first.view, self._token, jobs=table,
-                                 admit=lambda job, hdr: admit(job, hdr, token, configs))
+                                 admit=lambda job, hdr: admit(job, hdr, token, configs), on_reject=on_reject)
                 http = HttpService(app, self._http_bind, tls=self._tls)
                 await http.start()
                 self._http_address = http.address()

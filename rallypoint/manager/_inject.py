@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-from rallypoint._net.inject import MANAGER_KINDS, Injection
+from rallypoint._net.inject import ALLOW_INJECT_ENV, MANAGER_KINDS, Injection, inject_allowed
 
 log = logging.getLogger("rallypoint.manager")
 
@@ -74,11 +74,17 @@ class Injector:
     """One rank's pending injections, and what each does at its point of the step.
 
     ``state`` returns the rank's registered state (for ``bitflip-param``); ``closing`` is
-    set at shutdown (it ends a timed hang early); ``clock`` times a slowdown's ``for_s``."""
+    set at shutdown (it ends a timed hang early); ``clock`` times a slowdown's ``for_s``.
+    ``allowed``: carry injections out at all (default: ``RALLYPOINT_ALLOW_INJECT=1``, read
+    once here); off, every injection that arrives is dropped with a warning, so that a
+    lighthouse (or whoever answers the group's quorum) cannot kill or corrupt a replica
+    whose operator did not turn injection on."""
 
     def __init__(self, replica: str, state: Callable[[], Any], closing: threading.Event,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, allowed: bool | None = None) -> None:
         self.replica = replica  # the Manager sets the full replica id once it is known
+        self.allowed = inject_allowed(allowed)
+        self._refused = 0  # injections dropped while off (the first is logged, then every 100th)
         self._state = state
         self._closing = closing
         self._pending: list[Injection] = []
@@ -91,6 +97,14 @@ class Injector:
     def add(self, injections: list[Injection]) -> None:
         """Injections that arrived with a quorum (every rank of the group gets the same
         ones; an id seen before is ignored)."""
+        if not self.allowed:
+            for inj in injections:
+                self._refused += 1
+                if self._refused % 100 == 1:
+                    log.warning("[%s] injection %s (%s) refused: fault injection is off in this process (set %s=1 "
+                                "to allow drills); %d refused so far", self.replica, inj.id, inj.kind,
+                                ALLOW_INJECT_ENV, self._refused)
+            return
         with self._lock:
             for inj in injections:
                 if inj.kind in MANAGER_KINDS and (not inj.id or inj.id not in self._seen):
