@@ -37,7 +37,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from rallypoint._net import addr as addrs
 from rallypoint._net.job import DEFAULT_JOB
 from rallypoint._net.ratelog import Throttle, left_out_note
-from rallypoint._net.slots import evict_for_newcomer
+from rallypoint._net.slots import closes_connection, evict_for_newcomer, proves_connection
 from rallypoint._net.inject import Injection
 from rallypoint._net.tls import TlsConfig, uvicorn_ssl_kwargs
 from rallypoint.lighthouse._goodput_http import add_goodput_route
@@ -298,22 +298,32 @@ class _EmbeddedServer(uvicorn.Server):
 #: A connection must send a complete request head within this (also after each response).
 HEAD_TIMEOUT_S = 10.0
 #: Connections served at once. A newcomer beyond them replaces the oldest connection that
-#: has not sent a whole request yet, or is closed when every one has (``_net.slots``).
+#: has not been proven yet (``_net.slots``: an accepted request, which on a lighthouse with a
+#: credential means one that carried it), or is closed when every one has.
 MAX_CONNECTIONS = 256
 _REFUSALS = Throttle(10.0)  # a flood of connections logs one line per interval
 
+#: ``prove(authorization header) -> bool``: whether a request's credential is one the
+#: lighthouse accepts; None where no credential is configured.
+Prove = Any
+
 
 class _GuardedH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with the two bounds it lacks: a client that connects
-    and sends nothing, or half a request head, is dropped after :data:`HEAD_TIMEOUT_S`
-    (uvicorn would hold it forever, and enough of them exhaust the lighthouse's file
-    descriptors, gRPC port included), and at most :data:`MAX_CONNECTIONS` are open, where
-    connections that never sent a whole request give way to newcomers (so idle sockets
-    cannot lock ``rallypoint status`` and the dashboard out)."""
+    """uvicorn's HTTP/1.1 protocol with the bounds it lacks: a client that connects and sends
+    nothing, or half a request head, is dropped after :data:`HEAD_TIMEOUT_S` (uvicorn would
+    hold it forever, and enough of them exhaust the lighthouse's file descriptors, gRPC port
+    included); at most :data:`MAX_CONNECTIONS` are open, where connections not yet proven by
+    an accepted request give way to newcomers (so idle sockets cannot lock ``rallypoint
+    status`` and the dashboard out); and a refused request (401, 403, 400, ...) closes its
+    connection, so keep-alive sockets re-sending a bad token cannot hold slots either.
+    :class:`HttpService` makes a subclass that sets ``_prove`` and ``_on_refused``."""
 
+    _prove: Prove = None  # see Prove; None: no credential configured
+    _on_refused: Any = None  # called with the status of each refused request (metrics)
     _head_timer: asyncio.TimerHandle | None = None
     _accepted = 0.0
-    _proven = False  # a whole request head arrived on it
+    _proven = False  # a request with a valid credential (or any, where none is configured) arrived
+    _status = 0  # the status of the response being sent
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -324,8 +334,9 @@ class _GuardedH11(H11Protocol):
             left_out = _REFUSALS.ready()
             if left_out is not None:
                 logger.warning("lighthouse HTTP endpoint: %d connections open; %s%s", len(self.connections),
-                               "closing a newcomer: every one has sent a request" if pick is None else
-                               "closing the oldest that sent no request for a newcomer", left_out_note(left_out, "more"))
+                               "closing a newcomer: every one has sent an accepted request" if pick is None else
+                               "closing the oldest without an accepted request for a newcomer",
+                               left_out_note(left_out, "more"))
             if pick is None:
                 transport.close()
                 return
@@ -350,11 +361,33 @@ class _GuardedH11(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self.cycle is not None and not self.cycle.response_complete:
-            self._proven = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
             self._disarm()  # a whole request head arrived; the app answers it
+            if not self._proven and proves_connection(self._credentialed(), self._prove is not None):
+                self._proven = True  # (a refused answer closes the connection all the same)
+            if "send" not in vars(cycle):  # learn the answer's status (run_asgi looks send up when it runs)
+                original = cycle.send
+
+                async def send(message: Any) -> None:
+                    if message.get("type") == "http.response.start":
+                        self._status = int(message.get("status", 0))
+                    await original(message)
+
+                cycle.send = send  # type: ignore[method-assign]
+
+    def _credentialed(self) -> bool:
+        if self._prove is None or self.cycle is None:
+            return False
+        header = next((v for k, v in self.cycle.scope.get("headers", ()) if k == b"authorization"), None)
+        return bool(self._prove(header))
 
     def on_response_complete(self) -> None:
+        status, self._status = self._status, 0
+        if closes_connection(status):
+            if self._on_refused is not None:
+                self._on_refused(status)
+            self.transport.close()  # a refused request: its connection goes (the answer is written first)
         super().on_response_complete()
         if not self.transport.is_closing():
             self._arm()
@@ -449,7 +482,12 @@ class HttpService:
     Not thread-safe: call :meth:`start` and :meth:`stop` from the loop that serves.
     """
 
-    def __init__(self, app: FastAPI, bind: str, tls: TlsConfig | None = None) -> None:
+    def __init__(self, app: FastAPI, bind: str, tls: TlsConfig | None = None, prove: Prove = None,
+                 on_refused: Any = None) -> None:
+        """``prove(authorization header) -> bool``: whether a request carries a credential the
+        lighthouse accepts (None: no credential is configured, any well-formed request proves
+        its connection); ``on_refused(status)``: told of each request refused and its connection
+        closed (metrics)."""
         self._bind = bind
         self._host, self._requested_port = _parse_bind(bind)
         self._scheme = tls.scheme() if tls is not None else "http"
@@ -462,7 +500,9 @@ class HttpService:
             # to whatever logging the lighthouse set up.
             log_config=None,
             ws="none",
-            http=_GuardedH11,
+            http=type("_ServiceH11", (_GuardedH11,), {"_prove": staticmethod(prove) if prove is not None else None,
+                                                       "_on_refused": staticmethod(on_refused)
+                                                       if on_refused is not None else None}),
             server_header=False,
             **(uvicorn_ssl_kwargs(tls) if tls is not None else {}),
         )
