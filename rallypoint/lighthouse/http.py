@@ -372,6 +372,10 @@ class _GuardedH11(H11Protocol):
                 async def send(message: Any) -> None:
                     if message.get("type") == "http.response.start":
                         self._status = int(message.get("status", 0))
+                        headers = list(message.get("headers", []))
+                        if closes_connection(self._status) and not any(k.lower() == b"connection" for k, _ in headers):
+                            # Say so, or a client reuses the connection we are about to close.
+                            message = {**message, "headers": [*headers, (b"connection", b"close")]}
                     await original(message)
 
                 cycle.send = send  # type: ignore[method-assign]
