@@ -55,6 +55,8 @@ def test_only_a_credential_proves_a_connection_where_one_is_configured(credentia
     ("ipv6:[::1]:6000", ("::1", 6000)),
     ("ipv6:%5B::1%5D:6001", ("::1", 6001)),
     ("ipv6:[::ffff:10.0.0.7]:7", ("10.0.0.7", 7)),
+    ("ipv6:[fe80::1%25eth0]:8", ("fe80::1", 8)),
+    ("ipv6:[fe80::1%eth0]:9", ("fe80::1", 9)),
     ("unix:/tmp/x.sock", None),
     ("ipv4:127.0.0.1:x", None),
 ])

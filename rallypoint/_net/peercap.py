@@ -64,7 +64,8 @@ def peer_host(sockaddr: Any) -> str:
 
 def parse_grpc_peer(peer: str) -> tuple[str, int] | None:
     """``(host, port)`` of a gRPC ``context.peer()`` string (``ipv4:1.2.3.4:5``,
-    ``ipv6:[::1]:5``, ``ipv6:%5B::1%5D:5``); None for anything else (a unix socket)."""
+    ``ipv6:[::1]:5``, ``ipv6:%5B::1%5D:5``), in :func:`peer_host`'s form; None for anything
+    else (a unix socket)."""
     kind, _, rest = peer.partition(":")
     if kind not in ("ipv4", "ipv6"):
         return None
@@ -72,7 +73,8 @@ def parse_grpc_peer(peer: str) -> tuple[str, int] | None:
     host, _, port = rest.rpartition(":")
     if not port.isdigit() or not host:
         return None
-    return peer_host((host.strip("[]"),)), int(port)
+    host = host.strip("[]").split("%", 1)[0]  # a link-local scope (fe80::1%eth0): getpeername() has none
+    return peer_host((host,)), int(port)
 
 
 @dataclass
