@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,13 +33,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from rallypoint._net import addr as addrs
 from rallypoint._net.job import DEFAULT_JOB
 from rallypoint._net.ratelog import Throttle, left_out_note
 from rallypoint._net.slots import closes_connection, evict_for_newcomer, proves_connection
 from rallypoint._net.inject import Injection
 from rallypoint._net.tls import TlsConfig, uvicorn_ssl_kwargs
 from rallypoint.lighthouse._goodput_http import add_goodput_route
+from rallypoint.lighthouse._http_bind import _bind_socket, _parse_bind  # noqa: F401 - _parse_bind: tests
 from rallypoint.lighthouse._jobs_http import AUTH_HELP  # noqa: F401 - re-exported (tests, users)
 from rallypoint.lighthouse._jobs_http import Admit, JobSource, Picked, add_job_routes, client_of
 from rallypoint.lighthouse._jobs_http import default_admit, job_picker, single_job_picker
@@ -305,7 +304,9 @@ _REFUSALS = Throttle(10.0)  # a flood of connections logs one line per interval
 
 #: ``prove(authorization header) -> bool``: whether a request's credential is one the
 #: lighthouse accepts; None where no credential is configured.
-Prove = Any
+Prove = Callable[[bytes | None], bool] | None
+#: ``on_refused(status)``: told of each refused request whose connection was closed.
+OnRefused = Callable[[int], None] | None
 
 
 class _GuardedH11(H11Protocol):
@@ -319,7 +320,7 @@ class _GuardedH11(H11Protocol):
     :class:`HttpService` makes a subclass that sets ``_prove`` and ``_on_refused``."""
 
     _prove: Prove = None  # see Prove; None: no credential configured
-    _on_refused: Any = None  # called with the status of each refused request (metrics)
+    _on_refused: OnRefused = None  # called with the status of each refused request (metrics)
     _head_timer: asyncio.TimerHandle | None = None
     _accepted = 0.0
     _proven = False  # a request with a valid credential (or any, where none is configured) arrived
@@ -401,85 +402,6 @@ class _GuardedH11(H11Protocol):
         super().connection_lost(exc)
 
 
-def _parse_bind(bind: str) -> tuple[str, int]:
-    """(host, port) of a bind address; ``*`` means every interface; a URL scheme is refused
-    (TLS is the certificate's business, not the bind's)."""
-    if bind.strip().lower().startswith("https://"):
-        raise ValueError(f"bind {bind!r}: a bind address is host:port; the endpoint serves https when the "
-                         "lighthouse has a TLS certificate (--tls-cert/--tls-key)")
-    text = bind.strip()
-    bare_port = text.startswith(":") and text[1:].isdigit()  # ":29511" = every interface
-    host, port = addrs.split_host_port("*" + text if bare_port else text)
-    return ("" if host == "*" else host), port
-
-
-def _open_socket(family: int, sockaddr: tuple[Any, ...], dual_stack: bool) -> socket.socket:
-    """A bound, listening, non-blocking TCP socket."""
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets created with it, and
-    # without it every response waits ~40 ms for a delayed ACK (Nagle).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        if hasattr(socket, "SO_REUSEADDR") and not hasattr(socket, "SO_EXCLUSIVEADDRUSE"):
-            # POSIX: rebind right after a restart despite TIME_WAIT. (Not on Windows,
-            # where SO_REUSEADDR would let two processes share the port.)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            # Wildcard "[::]" serves IPv4 too; a specific v6 address only itself.
-            with contextlib.suppress(OSError, AttributeError):
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if dual_stack else 1)
-        sock.bind(sockaddr)
-        sock.listen(128)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _bind_socket(bind: str, host: str, port: int) -> socket.socket:
-    """Bind ``host:port``; raise OSError naming ``bind`` and what to do on failure."""
-    candidates: list[tuple[int, tuple[Any, ...], bool]] = []
-    if host in ("", "::"):
-        # Every interface: dual-stack IPv6, or IPv4 only where the host has no IPv6.
-        if socket.has_ipv6:
-            candidates.append((socket.AF_INET6, ("::", port), True))
-        candidates.append((socket.AF_INET, ("0.0.0.0", port), False))
-    else:
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        except socket.gaierror as exc:
-            raise OSError(
-                errno.EADDRNOTAVAIL,
-                f"cannot bind the lighthouse HTTP endpoint to {bind!r}: cannot resolve host "
-                f"{host!r} ({exc.strerror}); use an IP address or a resolvable name",
-            ) from exc
-        seen: set[tuple[int, tuple[Any, ...]]] = set()
-        for family, _type, _proto, _canon, sockaddr in infos:
-            if family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            addr = tuple(sockaddr)
-            if (family, addr) not in seen:
-                seen.add((family, addr))
-                candidates.append((family, addr, False))
-    last: OSError | None = None
-    for fam, sockaddr, dual_stack in candidates:
-        try:
-            return _open_socket(fam, sockaddr, dual_stack)
-        except OSError as exc:
-            last = exc
-            logger.debug("bind %r: %s failed: %s", bind, sockaddr, exc)
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                break  # another address family would not help (and could hide the clash)
-    code = last.errno if last is not None and last.errno is not None else errno.EADDRNOTAVAIL
-    why = (last.strerror or str(last)) if last is not None else "no usable address"
-    hint = ""
-    if code == errno.EADDRINUSE:
-        hint = "; another process holds this port: stop it or choose another port"
-    elif code == errno.EACCES:
-        hint = "; ports below 1024 need privileges: choose a higher port"
-    raise OSError(code, f"cannot bind the lighthouse HTTP endpoint to {bind!r}: {why}{hint}")
-
-
 class HttpService:
     """Runs an ASGI app with uvicorn as a task on the *current* asyncio loop.
 
@@ -487,7 +409,7 @@ class HttpService:
     """
 
     def __init__(self, app: FastAPI, bind: str, tls: TlsConfig | None = None, prove: Prove = None,
-                 on_refused: Any = None) -> None:
+                 on_refused: OnRefused = None) -> None:
         """``prove(authorization header) -> bool``: whether a request carries a credential the
         lighthouse accepts (None: no credential is configured, any well-formed request proves
         its connection); ``on_refused(status)``: told of each request refused and its connection
