@@ -97,8 +97,7 @@ def _ask(s: socket.socket, path: str, token: str | None) -> None:
 
 
 def _body(s: socket.socket, timeout: float = 5.0) -> bytes:
-    """The rest of one response after its head (content-length) is not needed here: read
-    whole responses with a fresh ``Connection: close`` request instead."""
+    """Everything the server sends on ``s`` until it closes it."""
     s.settimeout(timeout)
     data = b""
     while True:
@@ -259,6 +258,48 @@ def test_a_socket_that_sends_the_preface_then_nothing_is_closed_within_the_idle_
         assert took < 5.0, f"{name}: a connection with the preface and no call was held {took:.1f} s"
 
 
+def _heartbeat(ch: object, token: str = TOKEN) -> None:
+    """One admitted Heartbeat call on the raw channel ``ch``."""
+    from rallypoint._proto import torchft_pb2 as pb
+
+    call = ch.unary_unary("/torchft.LighthouseService/Heartbeat",  # type: ignore[attr-defined]
+                          request_serializer=pb.LighthouseHeartbeatRequest.SerializeToString,
+                          response_deserializer=pb.LighthouseHeartbeatResponse.FromString)
+    call(pb.LighthouseHeartbeatRequest(replica_id="r0"), metadata=[("authorization", f"Bearer {token}")], timeout=5)
+
+
+def _own_channel(port: int) -> object:
+    """A channel with its own connection (not shared with this process's other channels)."""
+    import grpc
+
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def test_a_client_whose_idle_connection_was_closed_calls_again(grpc_servers: list[tuple[str, object]]) -> None:
+    """The idle limit costs a real client nothing: after its connection was closed for
+    idleness (1.5 s here), its next call simply reconnects."""
+    from rallypoint.manager.client import ManagerClient
+
+    lh, ms = grpc_servers[0][1], grpc_servers[1][1]
+    lh_cap, ms_cap = lh.peer_cap, ms.peer_cap  # type: ignore[attr-defined]
+    streams = lh_cap.held("127.0.0.1")  # the manager's own connection (its liveness stream: never idle)
+    ch = _own_channel(_port(lh.address()))  # type: ignore[attr-defined]
+    mc = ManagerClient(ms.address(), connect_timeout=5, token=TOKEN)  # type: ignore[attr-defined]
+    try:
+        _heartbeat(ch)
+        assert mc.should_commit(0, 1, True, timeout=timedelta(seconds=5)) is True
+        assert lh_cap.held("127.0.0.1") == streams + 1 and ms_cap.held("127.0.0.1") == 1
+        deadline = time.monotonic() + 8  # the servers close both connections after 1.5 s without a call
+        while (lh_cap.held("127.0.0.1") > streams or ms_cap.held("127.0.0.1")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lh_cap.held("127.0.0.1") == streams and ms_cap.held("127.0.0.1") == 0, "idle connections stayed"
+        _heartbeat(ch)
+        assert mc.should_commit(0, 2, True, timeout=timedelta(seconds=5)) is True
+    finally:
+        mc.close()
+        ch.close()  # type: ignore[attr-defined]
+
+
 def test_one_peer_past_its_cap_is_refused_while_another_is_served(grpc_servers: list[tuple[str, object]]) -> None:
     """From 127.0.0.2, 12 sockets (3x the cap) that send the preface: at most 4 stay open
     (the oldest give way to newcomers), descriptors stay flat, and 127.0.0.1 is still served:
@@ -307,39 +348,28 @@ def test_one_peer_past_its_cap_is_refused_while_another_is_served(grpc_servers: 
 def test_a_peer_whose_connections_all_carry_admitted_calls_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """When every connection of a peer carries admitted calls (proven), a newcomer from it is
     closed at once, its proven connections still work, and another address is served."""
-    import grpc
-
-    from rallypoint._proto import torchft_pb2 as pb
     from rallypoint.lighthouse.server import LighthouseServer
 
     monkeypatch.setattr(peercap, "MAX_CONNS_PER_PEER", 2)
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, token=TOKEN)
-    channels: list[grpc.Channel] = []
+    channels: list[object] = []
     try:
         port = _port(lh.address())
-        meta = [("authorization", f"Bearer {TOKEN}")]
-
-        def heartbeat(ch: grpc.Channel) -> None:
-            call = ch.unary_unary("/torchft.LighthouseService/Heartbeat",
-                                  request_serializer=pb.LighthouseHeartbeatRequest.SerializeToString,
-                                  response_deserializer=pb.LighthouseHeartbeatResponse.FromString)
-            call(pb.LighthouseHeartbeatRequest(replica_id="r0"), metadata=meta, timeout=5)
-
-        for _ in range(2):  # two separate connections (a private subchannel pool each)
-            ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(2):  # two separate connections
+            ch = _own_channel(port)
             channels.append(ch)
-            heartbeat(ch)
+            _heartbeat(ch)
         assert lh.peer_cap.held("127.0.0.1") == 2  # type: ignore[union-attr]
         extra = _connect(port)
         extra.sendall(PREFACE)
         assert _closed_within(extra, 3.0) < 3.0, "a third connection from a peer at its cap was kept"
         extra.close()
         for ch in channels:
-            heartbeat(ch)  # the proven connections still serve
+            _heartbeat(ch)  # the proven connections still serve
         assert _served(port, ATTACKER), "another peer address was refused"
         metrics = lh.jobs.default.metrics  # type: ignore[union-attr]
         assert "peer_cap" in metrics.render().decode()  # type: ignore[attr-defined]
     finally:
         for ch in channels:
-            ch.close()
+            ch.close()  # type: ignore[attr-defined]
         lh.shutdown()
