@@ -15,8 +15,7 @@ untouched. A connection is *proven* when a call on it gets past the token check
 answer "true": a false answer makes gRPC stop accepting on the whole port.
 
 The count is per source address, so clients behind one NAT share it; the cap is
-``RALLYPOINT_MAX_CONNS_PER_PEER`` (0 turns it off). Where ctypes or the hook is unavailable
-the server runs without a cap (logged once).
+``RALLYPOINT_MAX_CONNS_PER_PEER`` (0 turns it off).
 """
 
 from __future__ import annotations
@@ -197,9 +196,8 @@ class PeerCap:
                 conns.append(conn)
             if shut is not None:
                 self.refused += 1
-                # shutdown, not close: the descriptor is gRPC's; it sees the end and closes it.
                 with contextlib.suppress(OSError):
-                    _shutdown(shut)
+                    _shutdown(shut)  # the descriptor is gRPC's: it sees the end and closes it
         if shut is not None:
             if self._on_refuse is not None:
                 self._on_refuse()
@@ -238,15 +236,13 @@ class PeerCap:
                     c.proven = True
 
 
-_libc: Any = None
-
-
 def _shutdown(fd: int) -> None:
-    """``shutdown(fd, SHUT_RDWR)`` on a descriptor Python does not own."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.shutdown(fd, socket.SHUT_RDWR)
+    """``shutdown(fd, SHUT_RDWR)`` on a descriptor Python does not own (it stays open)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    finally:
+        sock.detach()
 
 
 class ProvingInterceptor(grpc.aio.ServerInterceptor):
