@@ -3,6 +3,7 @@ and client (the lighthouse's and the managers')."""
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Awaitable, Callable
 
@@ -22,6 +23,21 @@ MAX_SEND_BYTES = 64 * 1024 * 1024
 HANDSHAKE_TIMEOUT_MS = 10_000
 
 
+def _env_ms(name: str, default: int) -> int:
+    try:
+        return max(1, int(os.environ.get(name, "") or default))
+    except ValueError:
+        return default
+
+
+#: How long a connection that carries no call is kept (``grpc.max_connection_idle_ms``;
+#: ``RALLYPOINT_GRPC_IDLE_MS``). The handshake bound alone let a socket that sent the HTTP/2
+#: preface and SETTINGS and then nothing stay open indefinitely. A client whose connection was
+#: closed for idleness reconnects at its next call (gRPC sends GOAWAY first, so nothing is lost);
+#: a pending quorum call or a liveness stream is a call, so a waiting replica is never idle.
+CONNECTION_IDLE_MS = _env_ms("RALLYPOINT_GRPC_IDLE_MS", 20_000)
+
+
 def server_options(max_send: int = MAX_SEND_BYTES) -> list[tuple[str, int]]:
     """Options for every ``grpc.aio.server`` rallypoint starts. ``so_reuseport`` is off:
     two servers must never share a port by accident."""
@@ -37,6 +53,8 @@ def server_options(max_send: int = MAX_SEND_BYTES) -> list[tuple[str, int]]:
         # SETTINGS) within this is closed. Without it, gRPC (1.85) held an idle socket 60 s,
         # long enough for idle sockets from anyone to exhaust the server's descriptors.
         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+        # A connection with no call in flight for this long is closed (GOAWAY, then close).
+        ("grpc.max_connection_idle_ms", CONNECTION_IDLE_MS),
     ]
 
 
@@ -107,5 +125,5 @@ def unary_handler(handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[A
     return grpc.unary_unary_rpc_method_handler(parse_then_handle, response_serializer=response_serializer)
 
 
-__all__ = ["MAX_RECEIVE_BYTES", "MAX_SEND_BYTES", "channel_options", "seconds", "server_options",
+__all__ = ["CONNECTION_IDLE_MS", "HANDSHAKE_TIMEOUT_MS", "MAX_RECEIVE_BYTES", "MAX_SEND_BYTES", "channel_options", "seconds", "server_options",
            "translate_rpc_error", "unary_handler"]

@@ -9,6 +9,11 @@ proven itself yet (an authorized request on the checkpoint server; a whole reque
 lighthouse's HTTP endpoint), and is refused only when every slot holds a proven one. A real
 client sends its request as soon as it connects, so it is proven long before an attacker's
 later connections make it the oldest unproven one.
+
+Only a request the server *accepts* proves a connection: one that carried a valid credential,
+or any well-formed one where no credential is configured. A refused request (400, 401, 403, ...)
+proves nothing and closes the connection: otherwise keep-alive sockets re-sending a bad token
+every few seconds held every slot and locked the operator out (issue 37).
 """
 
 from __future__ import annotations
@@ -27,4 +32,22 @@ def evict_for_newcomer(conns: Sequence[tuple[float, bool]]) -> int | None:
     return best
 
 
-__all__ = ["evict_for_newcomer"]
+#: Answers after which an HTTP server closes the connection: the request was malformed or
+#: refused (bad or missing credential, forbidden, too large).
+CLOSING_STATUSES = frozenset({400, 401, 403, 405, 413, 414, 431})
+
+
+def closes_connection(status: int) -> bool:
+    """Whether a response with ``status`` ends its connection (a refused request)."""
+    return status in CLOSING_STATUSES
+
+
+def proves_connection(credentialed: bool, credential_configured: bool) -> bool:
+    """Whether a whole request head proves its connection: it carried a valid credential
+    (``credentialed``), or the server has none configured. An open route asked without a
+    credential (``/healthz``) does not prove one on a secured server: such connections give
+    way to newcomers. (A request that is then refused closes its connection: :func:`closes_connection`.)"""
+    return credentialed or not credential_configured
+
+
+__all__ = ["CLOSING_STATUSES", "closes_connection", "evict_for_newcomer", "proves_connection"]

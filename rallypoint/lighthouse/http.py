@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import socket
 import time
@@ -34,13 +33,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from rallypoint._net import addr as addrs
 from rallypoint._net.job import DEFAULT_JOB
 from rallypoint._net.ratelog import Throttle, left_out_note
-from rallypoint._net.slots import evict_for_newcomer
+from rallypoint._net.slots import closes_connection, evict_for_newcomer, proves_connection
 from rallypoint._net.inject import Injection
 from rallypoint._net.tls import TlsConfig, uvicorn_ssl_kwargs
 from rallypoint.lighthouse._goodput_http import add_goodput_route
+from rallypoint.lighthouse._http_bind import _bind_socket, _parse_bind  # noqa: F401 - _parse_bind: tests
 from rallypoint.lighthouse._jobs_http import AUTH_HELP  # noqa: F401 - re-exported (tests, users)
 from rallypoint.lighthouse._jobs_http import Admit, JobSource, Picked, add_job_routes, client_of
 from rallypoint.lighthouse._jobs_http import default_admit, job_picker, single_job_picker
@@ -315,22 +314,34 @@ class _EmbeddedServer(uvicorn.Server):
 #: A connection must send a complete request head within this (also after each response).
 HEAD_TIMEOUT_S = 10.0
 #: Connections served at once. A newcomer beyond them replaces the oldest connection that
-#: has not sent a whole request yet, or is closed when every one has (``_net.slots``).
+#: has not been proven yet (``_net.slots``: an accepted request, which on a lighthouse with a
+#: credential means one that carried it), or is closed when every one has.
 MAX_CONNECTIONS = 256
 _REFUSALS = Throttle(10.0)  # a flood of connections logs one line per interval
 
+#: ``prove(authorization header) -> bool``: whether a request's credential is one the
+#: lighthouse accepts; None where no credential is configured.
+Prove = Callable[[bytes | None], bool] | None
+#: ``on_refused(status)``: told of each refused request whose connection was closed.
+OnRefused = Callable[[int], None] | None
+
 
 class _GuardedH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with the two bounds it lacks: a client that connects
-    and sends nothing, or half a request head, is dropped after :data:`HEAD_TIMEOUT_S`
-    (uvicorn would hold it forever, and enough of them exhaust the lighthouse's file
-    descriptors, gRPC port included), and at most :data:`MAX_CONNECTIONS` are open, where
-    connections that never sent a whole request give way to newcomers (so idle sockets
-    cannot lock ``rallypoint status`` and the dashboard out)."""
+    """uvicorn's HTTP/1.1 protocol with the bounds it lacks: a client that connects and sends
+    nothing, or half a request head, is dropped after :data:`HEAD_TIMEOUT_S` (uvicorn would
+    hold it forever, and enough of them exhaust the lighthouse's file descriptors, gRPC port
+    included); at most :data:`MAX_CONNECTIONS` are open, where connections not yet proven by
+    an accepted request give way to newcomers (so idle sockets cannot lock ``rallypoint
+    status`` and the dashboard out); and a refused request (401, 403, 400, ...) closes its
+    connection, so keep-alive sockets re-sending a bad token cannot hold slots either.
+    :class:`HttpService` makes a subclass that sets ``_prove`` and ``_on_refused``."""
 
+    _prove: Prove = None  # see Prove; None: no credential configured
+    _on_refused: OnRefused = None  # called with the status of each refused request (metrics)
     _head_timer: asyncio.TimerHandle | None = None
     _accepted = 0.0
-    _proven = False  # a whole request head arrived on it
+    _proven = False  # a request with a valid credential (or any, where none is configured) arrived
+    _status = 0  # the status of the response being sent
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -341,8 +352,9 @@ class _GuardedH11(H11Protocol):
             left_out = _REFUSALS.ready()
             if left_out is not None:
                 logger.warning("lighthouse HTTP endpoint: %d connections open; %s%s", len(self.connections),
-                               "closing a newcomer: every one has sent a request" if pick is None else
-                               "closing the oldest that sent no request for a newcomer", left_out_note(left_out, "more"))
+                               "closing a newcomer: every one has sent an accepted request" if pick is None else
+                               "closing the oldest without an accepted request for a newcomer",
+                               left_out_note(left_out, "more"))
             if pick is None:
                 transport.close()
                 return
@@ -367,11 +379,37 @@ class _GuardedH11(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self.cycle is not None and not self.cycle.response_complete:
-            self._proven = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
             self._disarm()  # a whole request head arrived; the app answers it
+            if not self._proven and proves_connection(self._credentialed(), self._prove is not None):
+                self._proven = True  # (a refused answer closes the connection all the same)
+            if "send" not in vars(cycle):  # learn the answer's status (run_asgi looks send up when it runs)
+                original = cycle.send
+
+                async def send(message: Any) -> None:
+                    if message.get("type") == "http.response.start":
+                        self._status = int(message.get("status", 0))
+                        headers = list(message.get("headers", []))
+                        if closes_connection(self._status) and not any(k.lower() == b"connection" for k, _ in headers):
+                            # Say so, or a client reuses the connection we are about to close.
+                            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+                    await original(message)
+
+                cycle.send = send  # type: ignore[method-assign]
+
+    def _credentialed(self) -> bool:
+        if self._prove is None or self.cycle is None:
+            return False
+        header = next((v for k, v in self.cycle.scope.get("headers", ()) if k == b"authorization"), None)
+        return bool(self._prove(header))
 
     def on_response_complete(self) -> None:
+        status, self._status = self._status, 0
+        if closes_connection(status):
+            if self._on_refused is not None:
+                self._on_refused(status)
+            self.transport.close()  # a refused request: its connection goes (the answer is written first)
         super().on_response_complete()
         if not self.transport.is_closing():
             self._arm()
@@ -381,92 +419,18 @@ class _GuardedH11(H11Protocol):
         super().connection_lost(exc)
 
 
-def _parse_bind(bind: str) -> tuple[str, int]:
-    """(host, port) of a bind address; ``*`` means every interface; a URL scheme is refused
-    (TLS is the certificate's business, not the bind's)."""
-    if bind.strip().lower().startswith("https://"):
-        raise ValueError(f"bind {bind!r}: a bind address is host:port; the endpoint serves https when the "
-                         "lighthouse has a TLS certificate (--tls-cert/--tls-key)")
-    text = bind.strip()
-    bare_port = text.startswith(":") and text[1:].isdigit()  # ":29511" = every interface
-    host, port = addrs.split_host_port("*" + text if bare_port else text)
-    return ("" if host == "*" else host), port
-
-
-def _open_socket(family: int, sockaddr: tuple[Any, ...], dual_stack: bool) -> socket.socket:
-    """A bound, listening, non-blocking TCP socket."""
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets created with it, and
-    # without it every response waits ~40 ms for a delayed ACK (Nagle).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        if hasattr(socket, "SO_REUSEADDR") and not hasattr(socket, "SO_EXCLUSIVEADDRUSE"):
-            # POSIX: rebind right after a restart despite TIME_WAIT. (Not on Windows,
-            # where SO_REUSEADDR would let two processes share the port.)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            # Wildcard "[::]" serves IPv4 too; a specific v6 address only itself.
-            with contextlib.suppress(OSError, AttributeError):
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if dual_stack else 1)
-        sock.bind(sockaddr)
-        sock.listen(128)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _bind_socket(bind: str, host: str, port: int) -> socket.socket:
-    """Bind ``host:port``; raise OSError naming ``bind`` and what to do on failure."""
-    candidates: list[tuple[int, tuple[Any, ...], bool]] = []
-    if host in ("", "::"):
-        # Every interface: dual-stack IPv6, or IPv4 only where the host has no IPv6.
-        if socket.has_ipv6:
-            candidates.append((socket.AF_INET6, ("::", port), True))
-        candidates.append((socket.AF_INET, ("0.0.0.0", port), False))
-    else:
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        except socket.gaierror as exc:
-            raise OSError(
-                errno.EADDRNOTAVAIL,
-                f"cannot bind the lighthouse HTTP endpoint to {bind!r}: cannot resolve host "
-                f"{host!r} ({exc.strerror}); use an IP address or a resolvable name",
-            ) from exc
-        seen: set[tuple[int, tuple[Any, ...]]] = set()
-        for family, _type, _proto, _canon, sockaddr in infos:
-            if family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            addr = tuple(sockaddr)
-            if (family, addr) not in seen:
-                seen.add((family, addr))
-                candidates.append((family, addr, False))
-    last: OSError | None = None
-    for fam, sockaddr, dual_stack in candidates:
-        try:
-            return _open_socket(fam, sockaddr, dual_stack)
-        except OSError as exc:
-            last = exc
-            logger.debug("bind %r: %s failed: %s", bind, sockaddr, exc)
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                break  # another address family would not help (and could hide the clash)
-    code = last.errno if last is not None and last.errno is not None else errno.EADDRNOTAVAIL
-    why = (last.strerror or str(last)) if last is not None else "no usable address"
-    hint = ""
-    if code == errno.EADDRINUSE:
-        hint = "; another process holds this port: stop it or choose another port"
-    elif code == errno.EACCES:
-        hint = "; ports below 1024 need privileges: choose a higher port"
-    raise OSError(code, f"cannot bind the lighthouse HTTP endpoint to {bind!r}: {why}{hint}")
-
-
 class HttpService:
     """Runs an ASGI app with uvicorn as a task on the *current* asyncio loop.
 
     Not thread-safe: call :meth:`start` and :meth:`stop` from the loop that serves.
     """
 
-    def __init__(self, app: FastAPI, bind: str, tls: TlsConfig | None = None) -> None:
+    def __init__(self, app: FastAPI, bind: str, tls: TlsConfig | None = None, prove: Prove = None,
+                 on_refused: OnRefused = None) -> None:
+        """``prove(authorization header) -> bool``: whether a request carries a credential the
+        lighthouse accepts (None: no credential is configured, any well-formed request proves
+        its connection); ``on_refused(status)``: told of each request refused and its connection
+        closed (metrics)."""
         self._bind = bind
         self._host, self._requested_port = _parse_bind(bind)
         self._scheme = tls.scheme() if tls is not None else "http"
@@ -479,7 +443,9 @@ class HttpService:
             # to whatever logging the lighthouse set up.
             log_config=None,
             ws="none",
-            http=_GuardedH11,
+            http=type("_ServiceH11", (_GuardedH11,), {"_prove": staticmethod(prove) if prove is not None else None,
+                                                       "_on_refused": staticmethod(on_refused)
+                                                       if on_refused is not None else None}),
             server_header=False,
             **(uvicorn_ssl_kwargs(tls) if tls is not None else {}),
         )

@@ -21,10 +21,11 @@ from typing import Any, Callable
 import grpc
 
 from rallypoint._net import __version__
-from rallypoint._net.auth import job_token
+from rallypoint._net.auth import bearer_matches, job_token
 from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net.inject import inject_allowed
 from rallypoint._net.job import DEFAULT_JOB, check_job
+from rallypoint._net.peercap import PeerCap
 from rallypoint._net.rpc import server_options
 from rallypoint._net.tls import TlsConfig, add_port, check_server, tls_config
 from rallypoint._net import addr as addrs
@@ -122,6 +123,7 @@ class LighthouseServer:
         self._max_jobs = max_jobs
         self.jobs: JobTable | None = None
         self.leadership: Leadership | None = None
+        self.peer_cap: PeerCap | None = None  # the gRPC port's per-peer connection cap, once serving
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -223,7 +225,10 @@ class LighthouseServer:
                 token = self._token
                 interceptors.append(JobTokenInterceptor(lambda job, hdr: admit(job, hdr, token, configs), on_reject))
             raise_open_file_limit()  # idle sockets from anyone must not exhaust our descriptors
-            server = grpc.aio.server(options=server_options(), interceptors=interceptors)
+            # At most so many connections per source address; admitted calls prove a connection.
+            self.peer_cap = cap = PeerCap(name="lighthouse", on_refuse=lambda: table.default.metrics.rejected("peer_cap"))
+            interceptors.append(cap.interceptor())
+            server = grpc.aio.server(options=server_options() + cap.options(), interceptors=interceptors)
             service = _Service(table)
             ha: Leadership | None = None
             if session is not None:  # gated before the first call can arrive: a standby answers nothing
@@ -256,7 +261,13 @@ class LighthouseServer:
                 token = self._token
                 app = create_app(first.view, self._token, jobs=table,
                                  admit=lambda job, hdr: admit(job, hdr, token, configs), on_reject=on_reject)
-                http = HttpService(app, self._http_bind, tls=self._tls)
+                credentials = [t for t in (token, *(c.token for c in configs.values())) if t]
+
+                def prove(header: Any) -> bool:  # a request with a credential we accept proves its connection
+                    return any(bearer_matches(header, t) for t in credentials)
+
+                http = HttpService(app, self._http_bind, tls=self._tls, prove=prove if credentials else None,
+                                   on_refused=lambda _status: table.default.metrics.rejected("http_refused"))
                 await http.start()
                 self._http_address = http.address()
             log.info(

@@ -46,6 +46,7 @@ from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net.auth import TokenInterceptor, job_token
 from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES, MAX_REASON_BYTES, MAX_REPLICA_ID_BYTES, utf8_len
+from rallypoint._net.peercap import PeerCap
 from rallypoint._net.rpc import seconds, server_options, unary_handler
 from rallypoint._net.tls import TlsConfig, add_port, check_server, tls_config
 from rallypoint._net.addr import is_loopback, split_host_port
@@ -191,6 +192,7 @@ class ManagerServer(InProcessCalls):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._port = 0
+        self.peer_cap: PeerCap | None = None  # the gRPC port's per-peer connection cap, once serving
         self._thread = threading.Thread(target=self._thread_main, name=f"rallypoint-manager-{replica_id}", daemon=True)
         self._heartbeat_thread = threading.Thread(
             target=self._heartbeat_main, name=f"rallypoint-manager-heartbeat-{replica_id}", daemon=True
@@ -237,9 +239,12 @@ class ManagerServer(InProcessCalls):
         self._stop = asyncio.Event()
         # Every ManagerService method needs the job token when one is set: Kill ends the
         # replica and ShouldCommit votes decide whether a step commits.
-        interceptors = [TokenInterceptor(self._token)] if self._token else []
+        interceptors: list[grpc.aio.ServerInterceptor] = [TokenInterceptor(self._token)] if self._token else []
         raise_open_file_limit()  # idle sockets from anyone must not exhaust our descriptors
-        server = grpc.aio.server(options=server_options(), interceptors=interceptors)
+        # At most so many connections per source address; admitted calls prove a connection.
+        self.peer_cap = cap = PeerCap(name=f"manager server of replica {self.replica_id}")
+        interceptors.append(cap.interceptor())
+        server = grpc.aio.server(options=server_options() + cap.options(), interceptors=interceptors)
         server.add_generic_rpc_handlers([self._handlers()])
         try:
             try:
