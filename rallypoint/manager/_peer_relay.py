@@ -91,9 +91,6 @@ class PeerDownRelay:
                 n = self._writer.add(f"{self._key}/count", 1)
                 key = f"{self._key}/{n}"
                 value = sign(self._token, self._scope, key, raw)
-                if self._token is None:
-                    self._writer.set(key, value)  # type: ignore[arg-type]  # bytes are accepted
-                    return
                 # Never overwrite a slot taken first: a listener may already have read it.
                 if self._writer.compare_set(key, "", value) == value:  # type: ignore[arg-type]
                     return
