@@ -35,7 +35,8 @@ was deposed, so no two leaders ever form quorums.
 
 The client is ``aetcd`` (asyncio, gRPC): it runs on the lighthouse's own event loop and
 uses the grpcio we already depend on. Each call is bounded by a timeout, and a failed
-endpoint moves the session to the next one.
+endpoint moves the session to the next one. TLS and etcd user authentication:
+:mod:`~rallypoint.lighthouse.etcd_auth`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from rallypoint.lighthouse.etcd_auth import EtcdSecurity, make_client, refused_credentials
 from rallypoint.lighthouse.quorum import Member, Quorum
 from rallypoint.lighthouse.state import MEMORY, Event, Restored, StateStore
 
@@ -123,8 +125,12 @@ class EtcdSession:
     """One lighthouse's connection to etcd: the endpoint in use (failing over among them),
     its etcd lease, and whether it leads."""
 
-    def __init__(self, spec: EtcdSpec, identity: str, ttl: float = 2.0, timeout: float = CALL_TIMEOUT_S) -> None:
+    def __init__(self, spec: EtcdSpec, identity: str, ttl: float = 2.0, timeout: float = CALL_TIMEOUT_S,
+                 security: EtcdSecurity | None = None) -> None:
+        """``security``: TLS and user for etcd (:mod:`~rallypoint.lighthouse.etcd_auth`;
+        None: clear text, no user)."""
         self.spec = spec
+        self.security = security or EtcdSecurity()
         self.identity = identity
         self.ttl = max(1, math.ceil(ttl))  # etcd grants whole seconds (and may raise it to its minimum)
         self.timeout = timeout
@@ -153,13 +159,21 @@ class EtcdSession:
                 await self._call(lambda c: c.get(self.spec.key("quorum_id")))
                 return
             except Exception as e:  # noqa: BLE001 - any failure: the next endpoint, or give up
+                if refused_credentials(e):  # another endpoint will not accept them either
+                    await self._next_endpoint()
+                    raise EtcdUnavailable(
+                        f"etcd at {self._where()} refused the lighthouse's credentials "
+                        f"(user {self.security.user!r}): {e}; check --etcd-user and --etcd-password-file, and "
+                        "that the user's role may read and write the --state prefix") from None
                 errors.append(f"{self._where()}: {type(e).__name__}: {e}"[:300])
                 await self._next_endpoint()
             if time.monotonic() >= deadline:
                 raise EtcdUnavailable(
                     f"etcd is unreachable at {', '.join(f'{h}:{p}' for h, p in self.spec.endpoints)} "
                     f"(tried for {timeout:.0f}s; last errors: {'; '.join(errors[-len(self.spec.endpoints):])}); "
-                    "is the etcd cluster running, and is --state right?")
+                    "is the etcd cluster running, and is --state right?"
+                    + (" (TLS: do --etcd-ca, --etcd-cert and --etcd-key match etcd's certificates?)"
+                       if self.security.tls else ""))
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def _where(self) -> str:
@@ -182,11 +196,9 @@ class EtcdSession:
 
     async def _call(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)`` on the endpoint in use, bounded by the call timeout."""
-        import aetcd
-
         if self._client is None:
             host, port = self.spec.endpoints[self._endpoint]
-            self._client = aetcd.Client(host=host, port=port, timeout=self.timeout)
+            self._client = make_client(host, port, self.security, self.timeout)
         return await asyncio.wait_for(fn(self._client), self.timeout + 0.5)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
