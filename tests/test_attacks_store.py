@@ -260,11 +260,11 @@ def test_forged_and_replayed_notices_are_refused_and_real_ones_still_arrive(warn
         listener.start()
         attacker.set("rallypoint/0/peer_down/1", json.dumps({"replica_id": "victim", "reason": "forged"}))
         scope = store_scope("rallypoint/0", store.port, {})
-        attacker.set("rallypoint/0/peer_down/2", sign("guess", scope, "rallypoint/0/peer_down/2",
+        attacker.set("rallypoint/0/peer_down/2", sign("guess", scope, "rallypoint/0/peer_down/2",  # type: ignore[arg-type]
                                                       b'{"replica_id": "victim", "reason": "guessed"}'))
         writer.publish("peer-a", "really down")          # takes slot 3: 1 and 2 are taken
         assert _wait(lambda: got == [("peer-a", "really down")]), got
-        attacker.set("rallypoint/0/peer_down/4", attacker.get("rallypoint/0/peer_down/3"))  # replay
+        attacker.set("rallypoint/0/peer_down/4", attacker.get("rallypoint/0/peer_down/3"))  # type: ignore[arg-type]  # a replay
         writer.publish("peer-b", "really down too")     # slot 5
         assert _wait(lambda: len(got) == 2), got
         assert got == [("peer-a", "really down"), ("peer-b", "really down too")]

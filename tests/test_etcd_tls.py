@@ -158,10 +158,11 @@ def test_lighthouses_with_the_right_settings_lead_and_form_quorums(secured: Any,
     b = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, state=spec, ha_ttl_s=1, etcd=sec)
     c = None
     try:
-        assert a.leadership is not None and b.leadership is not None
-        _wait(lambda: a.leadership.leads() or b.leadership.leads(), 10, "a leader")
-        leader, standby = (a, b) if a.leadership.leads() else (b, a)
-        assert not standby.leadership.leads()
+        la, lb = a.leadership, b.leadership
+        assert la is not None and lb is not None
+        _wait(lambda: la.leads() or lb.leads(), 10, "a leader")
+        (leader, standby), standby_leads = ((a, b), lb.leads) if la.leads() else ((b, a), la.leads)
+        assert not standby_leads()
         c = LighthouseClient(f"{leader.local_address()},{standby.local_address()}", connect_timeout=5)
         ids = [c.quorum("r1", timeout=5, step=1).quorum_id, c.quorum("r1", timeout=5, step=2, commit_failures=1).quorum_id]
         assert ids == [1, 2], ids
@@ -175,7 +176,7 @@ def test_lighthouses_with_the_right_settings_lead_and_form_quorums(secured: Any,
 
         assert asyncio.run(read(b"/rallypoint/tls/quorum_id")).value == b"2"  # written through TLS and auth
         leader.shutdown()
-        _wait(lambda: standby.leadership.leads(), 10, "the standby to take over")
+        _wait(standby_leads, 10, "the standby to take over")
         assert c.quorum("r1", timeout=10, step=3, commit_failures=1).quorum_id == 3
     finally:
         if c is not None:
