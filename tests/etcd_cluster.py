@@ -129,7 +129,8 @@ class EtcdCluster:
     """``members`` etcd processes forming one cluster; see the module docstring."""
 
     def __init__(self, tmp_path: str | os.PathLike[str], members: int = 1, etcd: str | None = None,
-                 tls: EtcdTls | None = None, root_password: str | None = None) -> None:
+                 tls: EtcdTls | None = None, root_password: str | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         if members < 1:
             raise ValueError("members must be at least 1")
         self.members = members
@@ -148,6 +149,7 @@ class EtcdCluster:
         self.startup_s: float | None = None  # seconds start() took
         self.tls = tls
         self.root_password = root_password
+        self.extra_args = tuple(extra_args)  # more etcd flags, e.g. ("--auth-token-ttl", "1")
         self._auth_on = False
 
     # ------------------------------------------------------------------ addresses
@@ -226,6 +228,7 @@ class EtcdCluster:
             "--logger", "capnslog",
             # (over TLS, "serving client requests on ..." is an INFO line of package embed).
             "--log-package-levels", "*=NOTICE,embed=INFO" if self.tls is not None else "*=NOTICE",
+            *self.extra_args,
         ]  # fmt: skip
 
     def _spawn(self, i: int) -> None:
@@ -440,7 +443,7 @@ class EtcdCluster:
 
 @pytest.fixture
 def etcd_cluster(tmp_path: Path) -> Iterator[Callable[..., EtcdCluster]]:
-    """``etcd_cluster(members=1, timeout=30, tls=None, root_password=None)`` -> a started
+    """``etcd_cluster(members=1, timeout=30, tls=None, root_password=None, extra_args=())`` -> a started
     EtcdCluster under ``tmp_path``;
     every cluster is SIGKILLed and reaped at teardown. Skips without etcd or aetcd."""
     if etcd_binary() is None:
@@ -452,8 +455,8 @@ def etcd_cluster(tmp_path: Path) -> Iterator[Callable[..., EtcdCluster]]:
     started: list[EtcdCluster] = []
 
     def make(members: int = 1, timeout: float = 30.0, tls: EtcdTls | None = None,
-             root_password: str | None = None) -> EtcdCluster:
-        cluster = EtcdCluster(tmp_path, members, tls=tls, root_password=root_password)
+             root_password: str | None = None, extra_args: tuple[str, ...] = ()) -> EtcdCluster:
+        cluster = EtcdCluster(tmp_path, members, tls=tls, root_password=root_password, extra_args=extra_args)
         started.append(cluster)
         return cluster.start(timeout)
 

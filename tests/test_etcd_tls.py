@@ -218,3 +218,35 @@ def test_require_tls_with_a_plain_http_etcd_is_a_startup_error(rallypoint_cli: A
         LighthouseServer(bind="127.0.0.1:0", state="etcd://127.0.0.1:9/rallypoint/x",
                          tls=tls_config(str(pki.server_cert), str(pki.server_key), require=True, environ={}),
                          etcd=EtcdSecurity())
+
+
+def test_leadership_outlives_etcds_auth_token(etcd_cluster: Any, pki: EtcdTls) -> None:
+    """etcd's auth tokens expire (``--auth-token-ttl``, 1 s here): a leader keeps leading
+    and forming quorums well past it, and a standby still takes over."""
+    cluster = etcd_cluster(members=1, tls=pki, root_password=ROOT_PW, extra_args=("--auth-token-ttl", "1"))
+    cluster.add_user("lighthouse", LH_PW, PREFIX)
+    sec = pki.security(user="lighthouse", password=LH_PW)
+    spec = cluster.spec("/rallypoint/ttl")
+    a = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, state=spec, ha_ttl_s=1, etcd=sec)
+    b = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, state=spec, ha_ttl_s=1, etcd=sec)
+    c = None
+    try:
+        la, lb = a.leadership, b.leadership
+        assert la is not None and lb is not None
+        _wait(lambda: la.leads() or lb.leads(), 10, "a leader")
+        (leader, standby), leads, standby_leads = ((a, b), la.leads, lb.leads) if la.leads() else ((b, a), lb.leads, la.leads)
+        c = LighthouseClient(f"{leader.local_address()},{standby.local_address()}", connect_timeout=5)
+        ids = []
+        for step in range(4):
+            ids.append(c.quorum("r1", timeout=5, step=step, commit_failures=1).quorum_id)
+            time.sleep(1.5)  # longer than the token's TTL, with no call of ours in between
+            assert leads(), f"lost leadership after step {step}"
+        leader.shutdown()
+        _wait(standby_leads, 10, "the standby to take over")
+        ids.append(c.quorum("r1", timeout=10, step=9, commit_failures=1).quorum_id)
+        assert ids == [1, 2, 3, 4, 5], ids
+    finally:
+        if c is not None:
+            c.close()
+        a.shutdown()
+        b.shutdown()

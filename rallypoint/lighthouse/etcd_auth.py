@@ -209,5 +209,14 @@ def refused_credentials(error: BaseException) -> bool:
                                    "user name not found"))
 
 
+def stale_token(error: BaseException) -> bool:
+    """Whether an etcd call was refused because our auth token expired (etcd's
+    ``--auth-token-ttl``, or a restarted member forgot it) or predates a change of users:
+    etcd refused it before applying anything, so authenticating again and repeating the
+    call is safe, even for a transaction."""
+    text = str(error).lower()
+    return "invalid auth token" in text or "revision of auth store is old" in text
+
+
 __all__ = ["CA_ENV", "CERT_ENV", "KEY_ENV", "PASSWORD_FILE_ENV", "USER_ENV", "EtcdSecurity", "EtcdSecurityError",
-           "check_etcd_security", "etcd_security", "make_client", "refused_credentials"]
+           "check_etcd_security", "etcd_security", "make_client", "refused_credentials", "stale_token"]
