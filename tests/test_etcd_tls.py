@@ -250,3 +250,19 @@ def test_leadership_outlives_etcds_auth_token(etcd_cluster: Any, pki: EtcdTls) -
             c.close()
         a.shutdown()
         b.shutdown()
+
+
+def test_the_command_takes_the_etcd_flags_and_leads(secured: Any, pki: EtcdTls, cli_lighthouse: Any,
+                                                    tmp_path: Path) -> None:
+    """``rallypoint lighthouse --etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file``
+    (flags, not the environment) against the secured etcd: it leads and forms quorums."""
+    pw = _password_file(tmp_path, LH_PW + "\n")
+    lh = cli_lighthouse(state=secured.spec("/rallypoint/cli"), extra=[
+        "--etcd-ca", str(pki.ca), "--etcd-cert", str(pki.client_cert), "--etcd-key", str(pki.client_key),
+        "--etcd-user", "lighthouse", "--etcd-password-file", pw, "--etcd-ttl-s", "1"])
+    c = LighthouseClient(lh.address, connect_timeout=10)
+    try:
+        assert c.quorum("r1", timeout=10, step=1).quorum_id == 1
+    finally:
+        c.close()
+    assert LH_PW not in " ".join(lh.proc.rest_of_stdout(0.1)) + lh.proc.stderr_text()
