@@ -203,19 +203,10 @@ def _straggler_policy(args: argparse.Namespace, parser: argparse.ArgumentParser)
         )
 
 
-def _etcd_security(args: argparse.Namespace) -> Any:
-    """The etcd TLS and user settings of ``--state etcd://...`` (None for other states)."""
-    from rallypoint.lighthouse.etcd_auth import etcd_security
-    from rallypoint.lighthouse.etcd_state import is_etcd
-
-    if not is_etcd(str(args.state)):
-        return None
-    return etcd_security(args.etcd_ca, args.etcd_cert, args.etcd_key, args.etcd_user, args.etcd_password_file)
-
-
 def _run_lighthouse(args: argparse.Namespace) -> int:
     from rallypoint.lighthouse.server import LighthouseServer
-    from rallypoint.lighthouse.etcd_state import EtcdUnavailable
+    from rallypoint.lighthouse.etcd_auth import etcd_security
+    from rallypoint.lighthouse.etcd_state import EtcdUnavailable, is_etcd
     from rallypoint.lighthouse.state import StateFileError
 
     from rallypoint._net.auth import job_token
@@ -225,7 +216,8 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
         token = job_token(args.token)
         tls = tls_config(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_ca, args.require_tls)
         jobs, max_jobs = _jobs_file(args)
-        etcd = _etcd_security(args)
+        etcd = etcd_security(args.etcd_ca, args.etcd_cert, args.etcd_key, args.etcd_user,
+                             args.etcd_password_file) if is_etcd(str(args.state)) else None
     except ValueError as e:
         print(f"rallypoint lighthouse: {e}", file=sys.stderr)
         return 2
