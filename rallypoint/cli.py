@@ -93,6 +93,14 @@ def _build_parser() -> argparse.ArgumentParser:
     _flag(lh, "etcd-ttl-s", type=float, default=2.0,
           help="with --state etcd://...: the leader's etcd lease, so the time before a standby replaces a dead "
                "leader (2; etcd may raise it to its minimum)")
+    _flag(lh, "etcd-ca", default=None,
+          help="with --state etcd://...: PEM CA that signed etcd's certificate; reach etcd over TLS "
+               "(default: $RALLYPOINT_ETCD_CA; --require-tls refuses etcd without it)")
+    _flag(lh, "etcd-cert", default=None, help="PEM client certificate for etcd (default: $RALLYPOINT_ETCD_CERT)")
+    _flag(lh, "etcd-key", default=None, help="PEM private key of --etcd-cert (default: $RALLYPOINT_ETCD_KEY)")
+    _flag(lh, "etcd-user", default=None, help="etcd user to authenticate as (default: $RALLYPOINT_ETCD_USER)")
+    _flag(lh, "etcd-password-file", default=None,
+          help="file holding --etcd-user's password on one line (default: $RALLYPOINT_ETCD_PASSWORD_FILE)")
     _flag(lh, "leases", choices=("on", "off"), default="on",
           help="grant quorums as leases, so that replica groups start steps without asking until membership "
                "must change (on; see rallypoint/lighthouse/LEASES.md); 'off': every step asks, as in torchft")
@@ -211,7 +219,8 @@ def _straggler_policy(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 def _run_lighthouse(args: argparse.Namespace) -> int:
     from rallypoint.lighthouse.server import LighthouseServer
-    from rallypoint.lighthouse.etcd_state import EtcdUnavailable
+    from rallypoint.lighthouse.etcd_auth import etcd_security
+    from rallypoint.lighthouse.etcd_state import EtcdUnavailable, is_etcd
     from rallypoint.lighthouse.state import StateFileError
 
     from rallypoint._net.tls import tls_config
@@ -220,6 +229,8 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
         token = lighthouse_token(args.token, args.token_file)
         tls = tls_config(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_ca, args.require_tls)
         jobs, max_jobs = _jobs_file(args)
+        etcd = etcd_security(args.etcd_ca, args.etcd_cert, args.etcd_key, args.etcd_user,
+                             args.etcd_password_file) if is_etcd(str(args.state)) else None
     except ValueError as e:
         print(f"rallypoint lighthouse: {e}", file=sys.stderr)
         return 2
@@ -244,6 +255,7 @@ def _run_lighthouse(args: argparse.Namespace) -> int:
             jobs=jobs,
             max_jobs=max_jobs,
             allow_inject=args.allow_inject,
+            etcd=etcd,
             # A restart from an in-memory state would hand out quorum ids again: refused then.
             on_restart=restart.set if args.state != ":memory:" else None,
         )

@@ -18,6 +18,12 @@ No port is picked ahead of time:
 
 ``start()`` returns once every member answered a put/get round trip through ``aetcd``
 (the probe key is deleted again, so the cluster starts empty). Every wait has a deadline.
+
+Secured clusters: ``tls=EtcdTls.make(dir)`` (trustme certificates: a CA, etcd's server
+certificate, a client certificate) serves clients over https and demands a client
+certificate signed by the CA; ``root_password=...`` turns etcd's authentication on once the
+cluster is up (user ``root``), and ``add_user`` adds a user allowed to read and write one key
+prefix. The cluster's own probes use ``admin_security`` (the client certificate and root).
 """
 
 from __future__ import annotations
@@ -34,14 +40,17 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
 import pytest
 
+from rallypoint.lighthouse.etcd_auth import EtcdSecurity, make_client
+
 SKIP_NO_ETCD = "etcd is not installed (Debian's etcd-server; `make test` installs it where apt can)"
 SKIP_NO_AETCD = "aetcd is not installed (pip install 'rallypoint[etcd]'; the test extra has it)"
 
-_SERVING = re.compile(rb"serving insecure client requests on 127\.0\.0\.1:(\d+)")
+_SERVING = re.compile(rb"serving (?:insecure )?client requests on 127\.0\.0\.1:(\d+)")
 _PEER_BASE = 1001  # peer socket names: localhost:1001, localhost:1002, ... (files, not ports)
 
 T = TypeVar("T")
@@ -67,11 +76,43 @@ def _run_async(make: Callable[[], Awaitable[T]]) -> T:
         return ex.submit(asyncio.run, main()).result()
 
 
-async def _round_trip(port: int, key: bytes, rpc_timeout: float) -> None:
-    """One put/get/delete of ``key`` through the member serving clients on ``port``."""
-    import aetcd
+@dataclass(frozen=True)
+class EtcdTls:
+    """PEM files of a test PKI: the CA, etcd's server certificate and key (127.0.0.1 and
+    localhost), and a client certificate and key (no user name in it)."""
 
-    client = aetcd.Client("127.0.0.1", port, timeout=rpc_timeout)
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    @classmethod
+    def make(cls, directory: Path) -> EtcdTls:
+        """A fresh CA and certificates under ``directory`` (trustme)."""
+        import trustme
+
+        directory.mkdir(parents=True, exist_ok=True)
+        ca = trustme.CA()
+        server = ca.issue_cert("127.0.0.1", "localhost")
+        client = ca.issue_cert("client.test")
+        paths = {n: directory / f"{n}.pem" for n in ("ca", "server_cert", "server_key", "client_cert", "client_key")}
+        ca.cert_pem.write_to_path(str(paths["ca"]))
+        server.cert_chain_pems[0].write_to_path(str(paths["server_cert"]))
+        server.private_key_pem.write_to_path(str(paths["server_key"]))
+        client.cert_chain_pems[0].write_to_path(str(paths["client_cert"]))
+        client.private_key_pem.write_to_path(str(paths["client_key"]))
+        return cls(**paths)
+
+    def security(self, client_cert: bool = True, user: str | None = None, password: str | None = None) -> EtcdSecurity:
+        """Client settings trusting this CA, with (or without) the client certificate."""
+        return EtcdSecurity(ca=self.ca.read_bytes(), cert=self.client_cert.read_bytes() if client_cert else None,
+                            key=self.client_key.read_bytes() if client_cert else None, user=user, password=password)
+
+
+async def _round_trip(port: int, key: bytes, rpc_timeout: float, security: EtcdSecurity | None = None) -> None:
+    """One put/get/delete of ``key`` through the member serving clients on ``port``."""
+    client = make_client("127.0.0.1", port, security, rpc_timeout)
     try:
         await client.connect()
         value = uuid.uuid4().hex.encode()
@@ -87,7 +128,9 @@ async def _round_trip(port: int, key: bytes, rpc_timeout: float) -> None:
 class EtcdCluster:
     """``members`` etcd processes forming one cluster; see the module docstring."""
 
-    def __init__(self, tmp_path: str | os.PathLike[str], members: int = 1, etcd: str | None = None) -> None:
+    def __init__(self, tmp_path: str | os.PathLike[str], members: int = 1, etcd: str | None = None,
+                 tls: EtcdTls | None = None, root_password: str | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         if members < 1:
             raise ValueError("members must be at least 1")
         self.members = members
@@ -104,6 +147,10 @@ class EtcdCluster:
         self._ports: list[int | None] = [None] * members
         self._starts = [0] * members  # how often each member was started (names its log)
         self.startup_s: float | None = None  # seconds start() took
+        self.tls = tls
+        self.root_password = root_password
+        self.extra_args = tuple(extra_args)  # more etcd flags, e.g. ("--auth-token-ttl", "1")
+        self._auth_on = False
 
     # ------------------------------------------------------------------ addresses
 
@@ -122,6 +169,15 @@ class EtcdCluster:
         if p is None:
             raise RuntimeError(f"member {i} is not started")
         return p
+
+    @property
+    def admin_security(self) -> EtcdSecurity | None:
+        """What the cluster's own probes connect with: the client certificate (TLS) and
+        user root (once authentication is on)."""
+        user, pw = ("root", self.root_password) if self._auth_on else (None, None)
+        if self.tls is not None:
+            return self.tls.security(user=user, password=pw)
+        return EtcdSecurity(user=user, password=pw) if user else None
 
     def spec(self, prefix: str = "") -> str:
         """The lighthouse's state spec: ``etcd://127.0.0.1:P1,127.0.0.1:P2/prefix``."""
@@ -147,6 +203,11 @@ class EtcdCluster:
 
     def _argv(self, i: int) -> list[str]:
         initial = ",".join(f"{n}={u}" for n, u in zip(self.names, self.peer_urls))
+        scheme = "https" if self.tls is not None else "http"
+        tls = [] if self.tls is None else [
+            "--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
+            "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth",
+        ]
         return [
             self.etcd,
             "--name", self.names[i],
@@ -156,15 +217,18 @@ class EtcdCluster:
             "--initial-cluster", initial,
             "--initial-cluster-state", "new",
             "--initial-cluster-token", self.token,
-            "--listen-client-urls", "http://127.0.0.1:0",
-            "--advertise-client-urls", "http://127.0.0.1:0",
+            "--listen-client-urls", f"{scheme}://127.0.0.1:0",
+            "--advertise-client-urls", f"{scheme}://127.0.0.1:0",
+            *tls,
             "--heartbeat-interval", "50",
             "--election-timeout", "500",
             # Only NOTICE and up from etcd's own packages: the "serving insecure client
             # requests" line is a NOTICE (--log-level warn would drop it); raft and the
             # internal grpc-gateway (which dials 127.0.0.1:0 and complains) log regardless.
             "--logger", "capnslog",
-            "--log-package-levels", "*=NOTICE",
+            # (over TLS, "serving client requests on ..." is an INFO line of package embed).
+            "--log-package-levels", "*=NOTICE,embed=INFO" if self.tls is not None else "*=NOTICE",
+            *self.extra_args,
         ]  # fmt: skip
 
     def _spawn(self, i: int) -> None:
@@ -216,7 +280,8 @@ class EtcdCluster:
                             f"its log:\n{self.log_text(i)[-3000:]}"
                         )
                     try:
-                        await _round_trip(self.port(i), f"/etcd_cluster/ready/{self.names[i]}".encode(), min(2.0, left))
+                        await _round_trip(self.port(i), f"/etcd_cluster/ready/{self.names[i]}".encode(), min(2.0, left),
+                                          self.admin_security)
                         break
                     except Exception as e:  # noqa: BLE001 - aetcd raises several kinds while electing
                         last = e
@@ -239,11 +304,51 @@ class EtcdCluster:
             for i in range(self.members):
                 self._wait_port(i, deadline)
             self._wait_ready(list(range(self.members)), deadline)
+            if self.root_password is not None:
+                self._enable_auth(max(1.0, deadline - time.monotonic()))
         except BaseException:
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
         return self
+
+    async def _auth_calls(self, calls: Callable[[Any, Any, dict[str, Any]], Awaitable[None]], timeout: float) -> None:
+        """``calls(rpc, auth_stub, call_kwargs)`` on a client of member 0 (as admin)."""
+        from aetcd import rpc
+
+        client = make_client("127.0.0.1", self.port(0), self.admin_security, timeout)
+        try:
+            await client.connect()
+            await calls(rpc, rpc.AuthStub(client.channel), {"metadata": client.metadata, "timeout": timeout})
+        finally:
+            await client.close()
+
+    def _enable_auth(self, timeout: float) -> None:
+        """User ``root`` (role root) with ``root_password``, then authentication on."""
+        assert self.root_password is not None
+        password = self.root_password
+
+        async def calls(rpc: Any, auth: Any, kw: dict[str, Any]) -> None:
+            await auth.RoleAdd(rpc.AuthRoleAddRequest(name="root"), **kw)
+            await auth.UserAdd(rpc.AuthUserAddRequest(name="root", password=password), **kw)
+            await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user="root", role="root"), **kw)
+            await auth.AuthEnable(rpc.AuthEnableRequest(), **kw)
+
+        _run_async(lambda: self._auth_calls(calls, timeout))
+        self._auth_on = True
+
+    def add_user(self, name: str, password: str, prefix: str, timeout: float = 10.0) -> None:
+        """A user that may read and write the keys under ``prefix`` only (and nothing else)."""
+        end = prefix.encode()[:-1] + bytes([prefix.encode()[-1] + 1])
+
+        async def calls(rpc: Any, auth: Any, kw: dict[str, Any]) -> None:
+            await auth.RoleAdd(rpc.AuthRoleAddRequest(name=f"{name}-role"), **kw)
+            perm = rpc.Permission(permType=rpc.Permission.READWRITE, key=prefix.encode(), range_end=end)
+            await auth.RoleGrantPermission(rpc.AuthRoleGrantPermissionRequest(name=f"{name}-role", perm=perm), **kw)
+            await auth.UserAdd(rpc.AuthUserAddRequest(name=name, password=password), **kw)
+            await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=name, role=f"{name}-role"), **kw)
+
+        _run_async(lambda: self._auth_calls(calls, timeout))
 
     def restart(self, i: int, timeout: float = 30.0) -> str:
         """Start member ``i`` again (after ``kill(i)``) on its data dir; it rejoins the
@@ -301,15 +406,13 @@ class EtcdCluster:
         """The index of the current leader, asked of member ``via`` (default: the first
         alive one); retried until it names one that is alive (after a leader is killed,
         the others name it until they elect a new one), or ``timeout``."""
-        import aetcd
-
         i = via if via is not None else next(j for j in range(self.members) if self.alive(j))
         deadline = time.monotonic() + timeout
 
         async def ask() -> int:
             last: Any = None
             while time.monotonic() < deadline:
-                client = aetcd.Client("127.0.0.1", self.port(i), timeout=2.0)
+                client = make_client("127.0.0.1", self.port(i), self.admin_security, 2.0)
                 try:
                     await client.connect()
                     status = await client.status()
@@ -340,7 +443,8 @@ class EtcdCluster:
 
 @pytest.fixture
 def etcd_cluster(tmp_path: Path) -> Iterator[Callable[..., EtcdCluster]]:
-    """``etcd_cluster(members=1, timeout=30)`` -> a started EtcdCluster under ``tmp_path``;
+    """``etcd_cluster(members=1, timeout=30, tls=None, root_password=None, extra_args=())`` -> a started
+    EtcdCluster under ``tmp_path``;
     every cluster is SIGKILLed and reaped at teardown. Skips without etcd or aetcd."""
     if etcd_binary() is None:
         pytest.skip(SKIP_NO_ETCD)
@@ -350,8 +454,9 @@ def etcd_cluster(tmp_path: Path) -> Iterator[Callable[..., EtcdCluster]]:
         pytest.skip(SKIP_NO_AETCD)
     started: list[EtcdCluster] = []
 
-    def make(members: int = 1, timeout: float = 30.0) -> EtcdCluster:
-        cluster = EtcdCluster(tmp_path, members)
+    def make(members: int = 1, timeout: float = 30.0, tls: EtcdTls | None = None,
+             root_password: str | None = None, extra_args: tuple[str, ...] = ()) -> EtcdCluster:
+        cluster = EtcdCluster(tmp_path, members, tls=tls, root_password=root_password, extra_args=extra_args)
         started.append(cluster)
         return cluster.start(timeout)
 

@@ -35,7 +35,8 @@ was deposed, so no two leaders ever form quorums.
 
 The client is ``aetcd`` (asyncio, gRPC): it runs on the lighthouse's own event loop and
 uses the grpcio we already depend on. Each call is bounded by a timeout, and a failed
-endpoint moves the session to the next one.
+endpoint moves the session to the next one. TLS and etcd user authentication:
+:mod:`~rallypoint.lighthouse.etcd_auth`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from rallypoint.lighthouse.etcd_auth import EtcdSecurity, make_client, refused_credentials, stale_token
 from rallypoint.lighthouse.quorum import Member, Quorum
 from rallypoint.lighthouse.state import MEMORY, Event, Restored, StateStore
 
@@ -123,8 +125,12 @@ class EtcdSession:
     """One lighthouse's connection to etcd: the endpoint in use (failing over among them),
     its etcd lease, and whether it leads."""
 
-    def __init__(self, spec: EtcdSpec, identity: str, ttl: float = 2.0, timeout: float = CALL_TIMEOUT_S) -> None:
+    def __init__(self, spec: EtcdSpec, identity: str, ttl: float = 2.0, timeout: float = CALL_TIMEOUT_S,
+                 security: EtcdSecurity | None = None) -> None:
+        """``security``: TLS and user for etcd (:mod:`~rallypoint.lighthouse.etcd_auth`;
+        None: clear text, no user)."""
         self.spec = spec
+        self.security = security or EtcdSecurity()
         self.identity = identity
         self.ttl = max(1, math.ceil(ttl))  # etcd grants whole seconds (and may raise it to its minimum)
         self.timeout = timeout
@@ -137,6 +143,8 @@ class EtcdSession:
         # Per job namespace ("" = the default job): the quorum_id this leader last wrote (or read at election).
         self._qid_written: dict[str, int] = {}
         self._cas_lock = asyncio.Lock()
+        # Clients dropped for a stale auth token, closed once their calls are over (or at resign).
+        self._closing: dict[asyncio.Future, Any] = {}
 
     # ------------------------------------------------------------------ connection
     async def connect(self, timeout: float) -> None:
@@ -153,13 +161,21 @@ class EtcdSession:
                 await self._call(lambda c: c.get(self.spec.key("quorum_id")))
                 return
             except Exception as e:  # noqa: BLE001 - any failure: the next endpoint, or give up
+                if refused_credentials(e):  # another endpoint will not accept them either
+                    await self._next_endpoint()
+                    raise EtcdUnavailable(
+                        f"etcd at {self._where()} refused the lighthouse's credentials "
+                        f"(user {self.security.user!r}): {e}; check --etcd-user and --etcd-password-file, and "
+                        "that the user's role may read and write the --state prefix") from None
                 errors.append(f"{self._where()}: {type(e).__name__}: {e}"[:300])
                 await self._next_endpoint()
             if time.monotonic() >= deadline:
                 raise EtcdUnavailable(
                     f"etcd is unreachable at {', '.join(f'{h}:{p}' for h, p in self.spec.endpoints)} "
                     f"(tried for {timeout:.0f}s; last errors: {'; '.join(errors[-len(self.spec.endpoints):])}); "
-                    "is the etcd cluster running, and is --state right?")
+                    "is the etcd cluster running, and is --state right?"
+                    + (" (TLS: do --etcd-ca, --etcd-cert and --etcd-key match etcd's certificates?)"
+                       if self.security.tls else ""))
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def _where(self) -> str:
@@ -181,13 +197,45 @@ class EtcdSession:
                 pass
 
     async def _call(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(client)`` on the endpoint in use, bounded by the call timeout."""
-        import aetcd
+        """``fn(client)`` on the endpoint in use, bounded by the call timeout. A call refused
+        for an expired etcd auth token (applied nowhere) is made once more after
+        authenticating again."""
+        for attempt in (0, 1):
+            if self._client is None:
+                host, port = self.spec.endpoints[self._endpoint]
+                self._client = make_client(host, port, self.security, self.timeout)
+            client = self._client
+            try:
+                return await asyncio.wait_for(fn(client), self.timeout + 0.5)
+            except Exception as e:  # noqa: BLE001 - only a stale token is retried here
+                if attempt or self.security.user is None or not stale_token(e):
+                    raise
+                log.info("etcd auth token of user %r expired (%s); authenticating again", self.security.user, e)
+                await self._reconnect(client)
+        raise AssertionError("unreachable")
 
-        if self._client is None:
-            host, port = self.spec.endpoints[self._endpoint]
-            self._client = aetcd.Client(host=host, port=port, timeout=self.timeout)
-        return await asyncio.wait_for(fn(self._client), self.timeout + 0.5)
+    async def _reconnect(self, failed: Any) -> None:
+        """Drop ``failed`` (unless another call did already) so that the next call connects
+        (and authenticates) to the same endpoint again. It is closed only once the calls
+        still in flight on it are over (each is bounded by the call timeout): closing it now
+        would cancel them, a quorum's compare-and-swap among them."""
+        if failed is not self._client:
+            return
+        self._client = None
+
+        async def close_later() -> None:
+            await asyncio.sleep(self.timeout + 1.0)
+            await self._close_quietly(failed)
+
+        task = asyncio.ensure_future(close_later())
+        self._closing[task] = failed
+        task.add_done_callback(lambda t: self._closing.pop(t, None))
+
+    async def _close_quietly(self, client: Any) -> None:
+        try:
+            await asyncio.wait_for(client.close(), self.timeout)
+        except Exception:  # noqa: BLE001 - it is being dropped anyway
+            pass
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)``, trying each endpoint once before giving up (only for calls that
@@ -295,6 +343,9 @@ class EtcdSession:
             except Exception:  # noqa: BLE001
                 pass
             self._client = None
+        for task, dropped in list(self._closing.items()):
+            task.cancel()
+            await self._close_quietly(dropped)
 
     # ------------------------------------------------------------------ state
     async def load(self, ns: str = "") -> tuple[Restored, list[Event]]:

@@ -33,6 +33,7 @@ from rallypoint.lighthouse import reports
 from rallypoint.lighthouse._jobtable import Job, JobTable
 from rallypoint.lighthouse._service import JobTokenInterceptor, _handlers, _Service
 from rallypoint.lighthouse.core import LighthouseCore
+from rallypoint.lighthouse.etcd_auth import EtcdSecurity, check_etcd_security, etcd_security
 from rallypoint.lighthouse.injections import inject_refusal
 from rallypoint.lighthouse.etcd_state import EtcdSession, EtcdStore, is_etcd, parse_spec
 from rallypoint.lighthouse.ha import Leadership
@@ -63,7 +64,9 @@ class LighthouseServer:
     100 here, as in torchft's ``LighthouseServer`` binding (the command's default is 60000). ``http_bind`` enables the
     dashboard/status/metrics app (``None``: off). ``allow_inject``: accept fault injections
     (default: ``RALLYPOINT_ALLOW_INJECT=1``, else off). ``stragglers`` is the straggler policy
-    (:class:`~rallypoint.lighthouse.stragglers.Policy`; default: report only). Raises at
+    (:class:`~rallypoint.lighthouse.stragglers.Policy`; default: report only). ``etcd``: TLS
+    and user for a ``state`` of ``etcd://...`` (:mod:`~rallypoint.lighthouse.etcd_auth`; default
+    ``RALLYPOINT_ETCD_*``); with ``tls.require`` a clear-text etcd is refused. Raises at
     construction if the port is taken or the state file is held by another lighthouse.
     """
 
@@ -88,6 +91,7 @@ class LighthouseServer:
         jobs: dict[str, JobConfig] | None = None,
         max_jobs: int = DEFAULT_MAX_JOBS,
         allow_inject: bool | None = None,
+        etcd: EtcdSecurity | None = None,
     ) -> None:
         self._options = Options(
             min_replicas=min_replicas,
@@ -104,6 +108,12 @@ class LighthouseServer:
         self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN; empty is an error
         self._tls = tls or tls_config()  # the argument, else RALLYPOINT_TLS_*
         self._state_path = state
+        self._etcd: EtcdSecurity | None = None
+        if is_etcd(state):  # TLS and user for etcd: the argument, else RALLYPOINT_ETCD_*
+            self._etcd = etcd or etcd_security()
+            warning = check_etcd_security(parse_spec(state).endpoints, self._etcd, self._tls.require)
+            if warning:
+                log.warning("%s", warning)
         self._stragglers = stragglers or StragglerPolicy()
         # Called (on the loop thread) for a `lighthouse-restart` injection; None: this
         # lighthouse cannot restart itself (embedded in a process), and refuses it.
@@ -171,7 +181,8 @@ class LighthouseServer:
         check_server(self._tls, "the lighthouse", host, any_token, addrs.is_loopback(host))
         session: EtcdSession | None = None
         if is_etcd(self._state_path):  # HA: the state lives in etcd; serve only while elected
-            session = EtcdSession(parse_spec(self._state_path), uuid.uuid4().hex[:12], ttl=self._ha_ttl)
+            session = EtcdSession(parse_spec(self._state_path), uuid.uuid4().hex[:12], ttl=self._ha_ttl,
+                                  security=self._etcd)
             await session.connect(min(3.0, self._startup_timeout / 2))  # EtcdUnavailable: a clear error
         http = None
         server: grpc.aio.Server | None = None

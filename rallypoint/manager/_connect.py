@@ -2,27 +2,70 @@
 (the caller's, or one it hosts), group rank 0's ManagerServer and the address and replica
 id it publishes in the store, every rank's client of that server, and the peer-down relay
 that carries the lighthouse's death notices to the other ranks. Apart from the Manager so
-that the step path (quorum, allreduce, commit) reads on its own."""
+that the step path (quorum, allreduce, commit) reads on its own.
+
+With a job token, what rank 0 publishes in the store is signed (``_storesig``) and every
+rank checks it: a ``manager_addr`` written by anyone else (who would then receive the job
+token from the ranks that dial it) is refused, logged, and rank 0's own value waited for.
+Without a token the store's values are trusted as they are (the data plane is open)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from datetime import timedelta
 from typing import Any, Callable
 
 from torch.distributed import DistNetworkError, DistStoreError, PrefixStore
 
+from rallypoint._net.auth import job_token
 from rallypoint.manager._config import env as _env
 from rallypoint.manager._failfast import FailFast
 from rallypoint.manager._peer_relay import PeerDownRelay
+from rallypoint.manager._storesig import sign, store_scope, verify
 from rallypoint.manager._store import open_store as _open_store, plan_store as _plan_store, store_prefix as _store_prefix
 from rallypoint.manager.client import ManagerClient
 
 #: Store keys under which group rank 0 publishes its server's address and the replica id.
 MANAGER_ADDR_KEY = "manager_addr"
 REPLICA_ID_KEY = "replica_id"
+#: How often a rank that found a forged value looks again for rank 0's own.
+_RECHECK_S = 0.05
+
+
+def publish_signed(store: Any, token: str | None, scope: str, values: dict[str, str]) -> None:
+    """Write ``values`` (key: value) in the group's store, signed with the job token
+    (plain without one). Group rank 0's side of :func:`read_signed`."""
+    for key, value in values.items():
+        store.set(key, sign(token, scope, key, value.encode()))
+
+
+def read_signed(store: Any, key: str, token: str | None, scope: str, timeout_s: float,
+                log: logging.Logger | logging.LoggerAdapter) -> str:
+    """The value group rank 0 published under ``key``. A value not signed with the job
+    token (someone else wrote the key first, or replayed another's) is refused and logged
+    once, and the key read again until rank 0's own value is there or ``timeout_s``
+    passes (TimeoutError). ``store.get`` blocks until the key exists (the store's
+    timeout: DistStoreError)."""
+    deadline = time.monotonic() + timeout_s
+    refused = 0
+    while True:
+        value = verify(token, scope, key, store.get(key))
+        if value is not None:
+            if refused:
+                log.info("store key %s: rank 0's signed value arrived after %d forged one(s)", key, refused)
+            return value.decode()
+        refused += 1
+        if refused == 1:
+            log.warning("refused store key %s: it is not signed with the job token (someone who can reach the "
+                        "group's store wrote it); waiting for group rank 0's own value", key)
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"store key {key} holds only values not signed with the job token "
+                               f"({refused} read in {timeout_s:.0f}s); someone who can reach the group's store "
+                               "is writing it; check who can reach MASTER_ADDR:MASTER_PORT")
+        time.sleep(_RECHECK_S)
 
 
 class GroupConnection:
@@ -61,6 +104,8 @@ class GroupConnection:
         self._store_host, self._store_port = plan.host, int(raw.port)
         prefix = _store_prefix(os.environ)
         self._store = PrefixStore(prefix, raw)
+        token = job_token()  # as the ManagerServer and ManagerClient read it
+        scope = store_scope(prefix, self._store_port, os.environ)
         if is_master:
             lh = _env(lighthouse_addr, "RALLYPOINT_LIGHTHOUSE", "TORCHFT_LIGHTHOUSE")
             if lh is None:
@@ -97,11 +142,11 @@ class GroupConnection:
                 # picks one instead of the job failing.
                 self._log.warning("manager port %d is taken (%s); serving on a port the OS picks instead", mport, e)
                 self._server = serve(0)
-            self._store.set(MANAGER_ADDR_KEY, self._server.address())
-            self._store.set(REPLICA_ID_KEY, rid)
+            publish_signed(self._store, token, scope, {MANAGER_ADDR_KEY: self._server.address(), REPLICA_ID_KEY: rid})
+        wait_s = self._connect_timeout.total_seconds()
         try:
-            addr = self._store.get(MANAGER_ADDR_KEY).decode()
-            self._replica_id = self._store.get(REPLICA_ID_KEY).decode()
+            addr = read_signed(self._store, MANAGER_ADDR_KEY, token, scope, wait_s, self._log)
+            self._replica_id = read_signed(self._store, REPLICA_ID_KEY, token, scope, wait_s, self._log)
         except (DistStoreError, DistNetworkError) as e:
             raise TimeoutError(
                 f"group rank {self._group_rank}: group rank 0 did not publish its manager address in the store "
@@ -117,7 +162,8 @@ class GroupConnection:
             self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
         if self._group_world_size > 1:
             self._relay = PeerDownRelay(self._store_host, self._store_port, self._group_rank, self._on_peer_down,
-                                        self._connect_timeout, prefix=prefix, on_lease_left=self._on_lease_left)
+                                        self._connect_timeout, prefix=prefix, on_lease_left=self._on_lease_left,
+                                        token=token, scope=scope)
             if not is_master:
                 self._relay.start()
         self._log.info("manager ready: server %s, store %s:%d", addr, self._store_host, self._store_port)
@@ -136,4 +182,4 @@ class GroupConnection:
         self._ff.left_lease(replica_id, reason, quorum_id, after_step)
 
 
-__all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "GroupConnection"]
+__all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "GroupConnection", "publish_signed", "read_signed"]
