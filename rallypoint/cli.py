@@ -21,147 +21,13 @@ import threading
 import time
 from typing import Any, Sequence
 
+from rallypoint._cli_budget import Budget, closed_pipe
+from rallypoint._cli_parser import (  # re-exported (tests, users)
+    DEFAULT_LIGHTHOUSE, DEFAULT_STATE, JOB_HELP, _build_parser, _lighthouse_env, replica_of,
+)
 from rallypoint._cli_secrets import lighthouse_token, without_token  # re-exported (tests, users)
 
 log = logging.getLogger("rallypoint.cli")
-
-DEFAULT_LIGHTHOUSE = "http://localhost:29510"
-DEFAULT_STATE = "rallypoint-lighthouse.db"
-#: What ``--job`` means, in one line of each subcommand's help.
-JOB_HELP = ("the job to act on: one lighthouse serves many jobs (training runs), each with its own quorum, state, "
-            "metrics and token (default: $RALLYPOINT_JOB, else 'default')")
-
-
-def _lighthouse_env() -> str:
-    return os.environ.get("RALLYPOINT_LIGHTHOUSE") or os.environ.get("TORCHFT_LIGHTHOUSE") or DEFAULT_LIGHTHOUSE
-
-
-def _flag(parser: argparse.ArgumentParser, name: str, **kw: object) -> None:
-    """Add ``--a-b`` with torchft's ``--a_b`` spelling as an alias."""
-    spellings = [f"--{name}"]
-    if "-" in name:
-        spellings.append(f"--{name.replace('-', '_')}")
-    parser.add_argument(*spellings, **kw)  # type: ignore[arg-type]
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    from rallypoint import __version__
-
-    p = argparse.ArgumentParser(prog="rallypoint", description="Fault-tolerant data-parallel training for PyTorch.")
-    p.add_argument("--version", action="version", version=f"rallypoint {__version__}")
-    p.add_argument("--log-level", default=os.environ.get("RALLYPOINT_LOG_LEVEL", "INFO"), help="logging level (INFO)")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    lh = sub.add_parser("lighthouse", help="run the lighthouse (quorum) service")
-    _flag(lh, "min-replicas", type=int, required=True, help="fewest replica groups a new quorum may have")
-    _flag(lh, "join-timeout-ms", type=int, default=60_000, help="how long to wait for healthy stragglers (60000)")
-    _flag(lh, "heartbeat-timeout-ms", type=int, default=5_000, help="silence after which a replica is dead (5000)")
-    _flag(lh, "quorum-tick-ms", type=int, default=None, help="cap on the wait between evaluations (default: none; evaluation is event driven)")
-    _flag(lh, "bind", default="[::]:29510", help="gRPC address ([::]:29510)")
-    _flag(lh, "http-bind", default="[::]:29511", help="HTTP dashboard address ([::]:29511); 'off' disables it")
-    _flag(lh, "state", default=DEFAULT_STATE, help=f"SQLite state file ({DEFAULT_STATE}); ':memory:' keeps nothing across restarts; "
-          "etcd://host:port[,host:port...]/prefix keeps it in etcd, where several lighthouses elect a leader (HA)")
-    _flag(lh, "token-file", default=None, metavar="PATH",
-          help="file holding the token every call must send as 'authorization: Bearer TOKEN' (default: "
-               "$RALLYPOINT_TOKEN); the file should be readable by this user only")
-    _flag(lh, "token", default=None,
-          help="the token itself (discouraged: every user of the host sees a command line; use --token-file or "
-               "$RALLYPOINT_TOKEN)")
-    _flag(lh, "allow-inject", action="store_true", default=None,
-          help="accept fault injections (`rallypoint inject`, POST /inject) from the operator's or the job's token "
-               "holders; off by default (default: $RALLYPOINT_ALLOW_INJECT=1); managers need "
-               "RALLYPOINT_ALLOW_INJECT=1 too")
-    _flag(lh, "forget-after-ms", type=int, default=None, help="forget replicas silent this long (10 x heartbeat timeout)")
-    _flag(lh, "tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS (default: $RALLYPOINT_TLS_CERT)")
-    _flag(lh, "tls-key", default=None, help="PEM private key of --tls-cert (default: $RALLYPOINT_TLS_KEY)")
-    _flag(lh, "tls-client-ca", default=None,
-          help="PEM CA: demand client certificates signed by it, i.e. mutual TLS (default: $RALLYPOINT_TLS_CLIENT_CA)")
-    _flag(lh, "tls-ca", default=None,
-          help="PEM CA that signed the managers' certificates, for forwarded kills (default: $RALLYPOINT_TLS_CA)")
-    _flag(lh, "require-tls", action="store_true", default=None,
-          help="refuse to start without a TLS certificate (default: $RALLYPOINT_REQUIRE_TLS)")
-    _flag(lh, "stragglers", choices=("report", "evict"), default="report",
-          help="what to do with a replica group persistently slower than its peers: 'report' flags it in "
-               "/status, /metrics and the event log; 'evict' also leaves it out of quorums for a cool-down (report)")
-    _flag(lh, "straggler-threshold", type=float, default=1.5,
-          help="a step is slow when the group's compute time is at least this times the median of the others (1.5)")
-    _flag(lh, "straggler-window", type=int, default=8, help="steps remembered per group (8)")
-    _flag(lh, "straggler-votes", type=int, default=5,
-          help="slow steps within the window that make a straggler (5; at most --straggler-window)")
-    _flag(lh, "straggler-cooldown-s", type=float, default=10.0,
-          help="first eviction's cool-down, doubling on repeats up to 30 s (10)")
-    _flag(lh, "etcd-ttl-s", type=float, default=2.0,
-          help="with --state etcd://...: the leader's etcd lease, so the time before a standby replaces a dead "
-               "leader (2; etcd may raise it to its minimum)")
-    _flag(lh, "etcd-ca", default=None,
-          help="with --state etcd://...: PEM CA that signed etcd's certificate; reach etcd over TLS "
-               "(default: $RALLYPOINT_ETCD_CA; --require-tls refuses etcd without it)")
-    _flag(lh, "etcd-cert", default=None, help="PEM client certificate for etcd (default: $RALLYPOINT_ETCD_CERT)")
-    _flag(lh, "etcd-key", default=None, help="PEM private key of --etcd-cert (default: $RALLYPOINT_ETCD_KEY)")
-    _flag(lh, "etcd-user", default=None, help="etcd user to authenticate as (default: $RALLYPOINT_ETCD_USER)")
-    _flag(lh, "etcd-password-file", default=None,
-          help="file holding --etcd-user's password on one line (default: $RALLYPOINT_ETCD_PASSWORD_FILE)")
-    _flag(lh, "leases", choices=("on", "off"), default="on",
-          help="grant quorums as leases, so that replica groups start steps without asking until membership "
-               "must change (on; see rallypoint/lighthouse/LEASES.md); 'off': every step asks, as in torchft")
-    _flag(lh, "jobs", default=None, metavar="FILE",
-          help="JSON file naming the jobs this lighthouse serves and each job's token, e.g. "
-               '{"jobs": {"llama": {"token": "..."}, "default": {"open": true}}}. A job is one training run '
-               "(its replica groups set RALLYPOINT_JOB) with its own quorum, state and metrics; without this file "
-               "every job takes --token (default: jobs are created by their first call, all under --token)")
-    _flag(lh, "max-jobs", type=int, default=None,
-          help="most jobs this lighthouse serves; the first call of one more is refused (64)")
-    lh.set_defaults(usage_parser=lh)  # option errors found after parsing print this command's usage
-
-    st = sub.add_parser("status", help="print the lighthouse's quorum as a table")
-    st.add_argument("--lighthouse", default=None, help=f"gRPC or HTTP address (default: $RALLYPOINT_LIGHTHOUSE, $TORCHFT_LIGHTHOUSE or {DEFAULT_LIGHTHOUSE})")
-    st.add_argument("--json", action="store_true", help="print the raw status document")
-    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the lighthouse (5)")
-    st.add_argument("--job", default=None, help=JOB_HELP)
-    st.set_defaults(usage_parser=st)
-
-    gp = sub.add_parser("goodput", help="print the goodput ledger: where each replica group's time went")
-    gp.add_argument("--lighthouse", default=None, help="gRPC or HTTP address (default: as for status)")
-    gp.add_argument("--json", action="store_true", help="print the ledger document (GET /goodput has its time series too)")
-    gp.add_argument("--tau", type=float, default=None,
-                    help="checkpoint interval for the goodput model, seconds (default: one committed step)")
-    gp.add_argument("--delta", type=float, default=None,
-                    help="time to save one checkpoint for the goodput model, seconds (default: 0)")
-    gp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the lighthouse (5)")
-    gp.add_argument("--job", default=None, help=JOB_HELP)
-    gp.set_defaults(usage_parser=gp)
-
-    from rallypoint.supervisor.args import add_run_parser
-
-    add_run_parser(sub)
-
-    kl = sub.add_parser("kill", help="ask a replica's manager to exit (forwarded by the lighthouse)")
-    kl.add_argument("replica_id")
-    kl.add_argument("--lighthouse", default=None, help="gRPC address of the lighthouse")
-    kl.add_argument("--reason", default="killed from the command line")
-    kl.add_argument("--timeout", type=float, default=15.0)
-    kl.add_argument("--job", default=None, help=JOB_HELP)
-    kl.set_defaults(usage_parser=kl)
-
-    from rallypoint._net.inject import KINDS
-
-    ij = sub.add_parser("inject", help="inject a fault into a replica group (carried out at its next step boundary)",
-                        description="Needs a lighthouse started with --allow-inject, managers with "
-                                    "RALLYPOINT_ALLOW_INJECT=1, and RALLYPOINT_TOKEN set to the job's token or the "
-                                    "operator's (lighthouse-restart: the operator's).")
-    ij.add_argument("kind", choices=KINDS)
-    ij.add_argument("--replica", default=None, help="replica id, or the REPLICA_GROUP_ID it starts with "
-                                                    "(not for lighthouse-restart)")
-    ij.add_argument("--at-step", type=int, default=None, help="carry it out at the first step boundary at or after S")
-    ij.add_argument("--for", dest="for_s", type=float, default=None,
-                    help="seconds a hang or slowdown lasts (default: for good)")
-    ij.add_argument("--factor", type=float, default=None, help="slow: how many times longer each step takes (3)")
-    ij.add_argument("--bit", type=int, default=None, help="bitflip-*: which bit of element 0 (30)")
-    ij.add_argument("--lighthouse", default=None, help="gRPC address of the lighthouse")
-    ij.add_argument("--timeout", type=float, default=10.0)
-    ij.add_argument("--job", default=None, help=JOB_HELP)
-    ij.set_defaults(usage_parser=ij)
-    return p
 
 
 def _job(args: argparse.Namespace) -> str:
@@ -332,7 +198,7 @@ def _fetch_status(address: str, timeout: float, job: str | None = None) -> dict:
     """Status of ``job`` (default: ``RALLYPOINT_JOB``, else ``default``) from a lighthouse
     given its gRPC address (what users configure) or its dashboard address: a quick HTTP
     probe first (a gRPC port refuses it at once; ``?job=``), then the gRPC ``Status`` call
-    (the job in its metadata)."""
+    (the job in its metadata). All of it within ``timeout`` seconds, connecting included."""
     import httpx
 
     from rallypoint._net.auth import job_token
@@ -341,15 +207,16 @@ def _fetch_status(address: str, timeout: float, job: str | None = None) -> dict:
     from rallypoint.lighthouse.client import LighthouseClient
 
     job = job_name(job)
-
+    budget = Budget(timeout)
     if "," in address:  # an HA set: the leader's status (a standby shows only that it stands by)
         from rallypoint.lighthouse.client import split_addresses
 
         docs: list[dict] = []
         errors: list[str] = []
-        for one in split_addresses(address):
+        members = split_addresses(address)
+        for i, one in enumerate(members):
             try:
-                doc = _fetch_status(one, timeout, job)
+                doc = _fetch_status(one, budget.share(len(members) - i), job)
             except Exception as e:  # noqa: BLE001 - a dead member of the set: try the next
                 errors.append(f"{one}: {e}")
                 continue
@@ -370,7 +237,7 @@ def _fetch_status(address: str, timeout: float, job: str | None = None) -> dict:
     # The default job's probe is what it was before jobs (no query), so older lighthouses see nothing new.
     params = {} if job == DEFAULT_JOB else {"job": job}
     try:
-        r = httpx.get(url.rstrip("/") + "/status", params=params, timeout=min(1.0, timeout), headers=headers,
+        r = httpx.get(url.rstrip("/") + "/status", params=params, timeout=min(1.0, budget.left()), headers=headers,
                       verify=verify)
         if r.status_code == 404 and job != DEFAULT_JOB and "no such job" in r.text:
             raise LookupError(r.json().get("detail") or r.text)
@@ -381,8 +248,8 @@ def _fetch_status(address: str, timeout: float, job: str | None = None) -> dict:
                 return doc
     except (httpx.HTTPError, ValueError):
         pass
-    with LighthouseClient(address, connect_timeout=timeout, job=job) as c:
-        return c.status(timeout=timeout)
+    with LighthouseClient(address, connect_timeout=budget.left(), job=job) as c:
+        return c.status(timeout=budget.left())
 
 
 def format_status(s: dict) -> str:
@@ -539,19 +406,20 @@ def _run_kill(args: argparse.Namespace) -> int:
     from rallypoint.lighthouse.client import LighthouseClient
 
     address = args.lighthouse or _lighthouse_env()
+    replica = replica_of(args)
     job = _job(args)
+    budget = Budget(args.timeout)
     try:
-        with LighthouseClient(address, connect_timeout=5.0, job=job) as c:
-            target = c.kill(args.replica_id, args.reason, timeout=args.timeout)
+        with LighthouseClient(address, connect_timeout=budget.left(), job=job) as c:
+            target = c.kill(replica, args.reason, timeout=budget.left())
     except KeyError:
         of_job = "" if job == "default" else f" in job {job!r}"
-        print(f"rallypoint kill: the lighthouse at {address} knows no replica {args.replica_id!r}{of_job}",
-              file=sys.stderr)
+        print(f"rallypoint kill: the lighthouse at {address} knows no replica {replica!r}{of_job}", file=sys.stderr)
         return 1
     except Exception as e:
         print(f"rallypoint kill: {e}", file=sys.stderr)
         return 1
-    print(f"sent Kill to replica {args.replica_id} at {target}")
+    print(f"sent Kill to replica {replica} at {target}")
     return 0
 
 
@@ -562,9 +430,10 @@ def _run_inject(args: argparse.Namespace) -> int:
     request = {"kind": args.kind, "replica": args.replica, "at_step": args.at_step, "for_s": args.for_s,
                "factor": args.factor, "bit": args.bit}
     job = _job(args)
+    budget = Budget(args.timeout)
     try:
-        with LighthouseClient(address, connect_timeout=5.0, job=job) as c:
-            ident, rid = c.inject({k: v for k, v in request.items() if v is not None}, timeout=args.timeout)
+        with LighthouseClient(address, connect_timeout=budget.left(), job=job) as c:
+            ident, rid = c.inject({k: v for k, v in request.items() if v is not None}, timeout=budget.left())
     except (KeyError, ValueError) as e:
         print(f"rallypoint inject: refused by the lighthouse at {address}: {str(e).strip(chr(39))}", file=sys.stderr)
         return 1
@@ -584,15 +453,22 @@ def _run_group(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a restart runs again
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    handlers = {"lighthouse": _run_lighthouse, "run": _run_group, "status": _run_status, "kill": _run_kill,
-                "inject": _run_inject, "goodput": _run_goodput}
-    return handlers[args.command](args)
+    """Run one ``rallypoint`` command; its exit status. A reader that closes stdout early
+    (``rallypoint status | head -1``) ends it quietly with 141 (128 + SIGPIPE, as ``cat``)."""
+    try:
+        args = _build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # what a restart runs again
+        logging.basicConfig(
+            level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        handlers = {"lighthouse": _run_lighthouse, "run": _run_group, "status": _run_status, "kill": _run_kill,
+                    "inject": _run_inject, "goodput": _run_goodput}
+        rc = handlers[args.command](args)
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
+        return rc
+    except BrokenPipeError:
+        return closed_pipe()
 
 
 if __name__ == "__main__":
