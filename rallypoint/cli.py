@@ -5,8 +5,10 @@ whose underscore flag spellings are accepted), ``run`` (launch one replica group
 torchrun was, and restart it when a rank fails; ``rallypoint.supervisor``), ``status``
 (print the quorum as a table), ``kill`` (ask a replica's manager to exit), ``inject`` (a
 fault), ``goodput`` (the goodput ledger as a table). The last four act on one job of the
-lighthouse (``--job``, default ``RALLYPOINT_JOB``, else ``default``). Nothing here
-imports torch.
+lighthouse (``--job``, default ``RALLYPOINT_JOB``, else ``default``), name a replica with
+``--replica``, and finish within ``--timeout`` (connecting included). The parser is in
+:mod:`rallypoint._cli_parser`; a closed stdout (``| head -1``) exits 141 without a
+traceback. Nothing here imports torch.
 """
 
 from __future__ import annotations
