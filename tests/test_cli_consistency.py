@@ -84,7 +84,7 @@ def test_timeout_covers_the_connect(command, dead_address, capsys):
     elapsed = time.monotonic() - t0
     assert 0.5 < elapsed < 2.0, f"{command[0]} --timeout 1 took {elapsed:.2f}s"
     err = capsys.readouterr().err
-    assert dead_address in err and "within 1.0s" in err, err
+    assert dead_address in err and "could not connect" in err, err  # within what was left of the 1 s
 
 
 def test_timeout_split_across_an_ha_set(dead_address, capsys):
