@@ -3,7 +3,8 @@
 1. Builds the sdist and, from it, the wheel (``python -m build``), so a file the sdist
    forgets fails here too.
 2. Checks the wheel holds every file of ``rallypoint/`` that git tracks (package data: the
-   dashboard's static files, the protobuf stubs' ``.pyi``, ``py.typed``, ``LEASES.md``).
+   dashboard's static files, the protobuf stubs' ``.pyi``, ``py.typed``, ``LEASES.md``), the
+   license and the console script, and that the sdist holds the ``.proto`` sources.
 3. Creates a fresh venv in a temporary folder and installs torch (``--torch``, the version
    the Makefile installs) and the wheel with its runtime dependencies, nothing from here.
 4. From the temporary folder, with no ``PYTHONPATH``: ``import rallypoint`` must resolve to
@@ -28,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import urllib.request
@@ -163,7 +165,13 @@ class Check:
         self.part("build sdist + wheel", t)
         return wheels[0], sdists[0]
 
-    def check_contents(self, wheel: Path) -> None:
+    def check_contents(self, wheel: Path, sdist: Path) -> None:
+        with tarfile.open(sdist) as tar:
+            in_sdist = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        lacking = [f for f in ("LICENSE", "pyproject.toml", "proto/torchft.proto", "proto/rallypoint.proto",
+                               "rallypoint/lighthouse/static/dashboard.html") if f not in in_sdist]
+        if lacking:
+            raise SystemExit(f"wheel-check: the sdist lacks {lacking} (MANIFEST.in)")
         names = set(zipfile.ZipFile(wheel).namelist())
         try:
             tracked = subprocess.run(["git", "ls-files", "rallypoint"], cwd=REPO, capture_output=True, text=True,
@@ -283,8 +291,8 @@ def main() -> int:
     ok, passed = False, 0
     try:
         if not args.venv:
-            wheel, _ = check.build()
-            check.check_contents(wheel)
+            wheel, sdist = check.build()
+            check.check_contents(wheel, sdist)
             check.install(wheel)
             passed += 3
         check.check_import()
