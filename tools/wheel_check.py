@@ -188,8 +188,10 @@ class Check:
         if not entry or "rallypoint = rallypoint.cli:main" not in zipfile.ZipFile(wheel).read(entry[0]).decode():
             raise SystemExit("wheel-check: the wheel declares no `rallypoint` console script")
         licenses = [n for n in names if "/licenses/" in n or n.endswith(".dist-info/LICENSE")]
+        if not licenses:
+            raise SystemExit("wheel-check: the wheel carries no license file (pyproject license-files)")
         self.say(f"the wheel holds all {len(tracked)} package files, the console script, "
-                 f"{'a license file' if licenses else 'NO license file'}; requires: "
+                 f"the license; requires: "
                  + ", ".join(line.split(": ", 1)[1] for line in metadata.splitlines()
                              if line.startswith("Requires-Dist:") and "extra ==" not in line))
 
