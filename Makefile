@@ -7,7 +7,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.rallypoint-installed
 PYTEST_ARGS ?=
 
-.PHONY: test typecheck browser etcd demo demo-lighthouse proto bench install clean
+.PHONY: test typecheck browser etcd demo demo-lighthouse proto bench install clean wheel-check
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,14 @@ etcd:
 # The type checker over rallypoint/ (configured in pyproject.toml); part of `make test`.
 typecheck: $(STAMP)
 	$(VPY) -m mypy
+
+# The wheel works outside the checkout: build the sdist and the wheel (`python -m build`),
+# install the wheel and torch into a fresh venv in a temporary folder and, from there,
+# run `rallypoint --help`, a lighthouse and two replica groups training a few steps
+# (tools/wheel_check.py says what it checks). Part of CI.
+wheel-check: $(STAMP)
+	@$(VPY) -c "import build" 2>/dev/null || $(VPY) -m pip install --quiet build
+	$(VPY) tools/wheel_check.py
 
 # Three replica groups (one `rallypoint run` each) train with DDP; one rank is SIGKILLed
 # mid-step, its supervisor restarts the group, which heals from a live peer and rejoins.

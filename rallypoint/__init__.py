@@ -2,7 +2,8 @@
 
 The lighthouse side (``rallypoint.lighthouse``, ``rallypoint.cli``) imports no torch,
 so the service starts fast and runs on hosts without torch. The torch-side API is
-exposed lazily: attributes listed in ``_LAZY`` are imported on first access.
+exposed lazily: attributes listed in ``_LAZY`` are imported on first access, and
+``dir(rallypoint)`` lists them all (``__dir__``) so completion and ``help()`` see them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
+    """Import a public name of ``_LAZY`` on first access (PEP 562) and keep it."""
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'rallypoint' has no attribute {name!r}")
@@ -45,3 +47,8 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``), loaded or not, as ``dir(rallypoint)`` shows them."""
+    return sorted(__all__)

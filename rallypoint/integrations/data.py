@@ -98,6 +98,7 @@ class DistributedSampler(_TorchDistributedSampler):
     # ------------------------------------------------------------------ position
     @property  # type: ignore[override]
     def epoch(self) -> int:
+        """The current epoch (setting it is :meth:`set_epoch`)."""
         return self._epoch
 
     @epoch.setter

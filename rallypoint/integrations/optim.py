@@ -138,24 +138,30 @@ class Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ pass-through
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer."""
         self.optim.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict (the wrapper keeps no state of its own)."""
         return self.optim.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict`` into the wrapped optimizer."""
         self.optim.load_state_dict(state_dict)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]  # torch declares a plain attribute
+        """The wrapped optimizer's parameter groups (LR schedulers change them here)."""
         return self.optim.param_groups
 
     @property
     def state(self) -> Any:  # type: ignore[override]  # torch declares a plain attribute
+        """The wrapped optimizer's per-parameter state."""
         return self.optim.state
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # torch declares a plain attribute
+        """The wrapped optimizer's default hyperparameters."""
         return self.optim.defaults
 
     def __getattr__(self, name: str) -> Any:

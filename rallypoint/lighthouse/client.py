@@ -237,6 +237,7 @@ class LighthouseClient:
         return quorum_from_pb(resp.quorum)
 
     def heartbeat(self, replica_id: str, timeout: float | timedelta = 5.0) -> None:
+        """Tell the lighthouse ``replica_id`` is alive (a Manager does this itself)."""
         secs = seconds(timeout)
         request = pb.LighthouseHeartbeatRequest(replica_id=replica_id)
 

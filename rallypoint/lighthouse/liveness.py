@@ -85,6 +85,7 @@ class LivenessStream:
 
     @property
     def connected(self) -> bool:
+        """Whether the lighthouse has welcomed this stream (it then sees a break at once)."""
         return self._welcomed.is_set()
 
     @property

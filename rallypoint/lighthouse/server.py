@@ -332,9 +332,11 @@ class LighthouseServer:
 
     @property
     def port(self) -> int:
+        """The gRPC port the service listens on (the OS's pick when bound to port 0)."""
         return self._port
 
     def http_address(self) -> str | None:
+        """The dashboard's base URL (``http://host:port``), or None when HTTP is off."""
         return self._http_address
 
     def status(self, timeout: float = 5.0, job: str = DEFAULT_JOB) -> dict:

@@ -35,7 +35,10 @@ import json
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rallypoint.manager.recovery import QuorumResult
 
 #: Rounds a Manager remembers (``Manager.step_records()``).
 KEEP = 256
@@ -221,4 +224,18 @@ class RoundLog:
         return list(self._done)
 
 
-__all__ = ["KEEP", "RoundLog", "StepRecord", "cause_of"]
+@dataclass(eq=False)
+class Round:
+    """One round: its :class:`StepRecord` (what happened, kept afterwards) and the
+    hand-offs between the quorum thread and the training thread (dropped at its end)."""
+
+    rec: StepRecord
+    heal_plan: QuorumResult | None = None  # a heal to serve/fetch on the training thread
+    pending: dict[str, Any] | None = None  # received state, applied at the next safe point
+    apply_due: bool = False  # healing: contributes zeros until ``pending`` is applied
+    quorum_error: Exception | None = None  # raised by should_commit / wait_quorum
+    served_here: bool = False  # the training thread served a heal in this round
+    skipped: bool = False  # allreduce skipped a collective (the step had already failed)
+
+
+__all__ = ["KEEP", "Round", "RoundLog", "StepRecord", "cause_of"]

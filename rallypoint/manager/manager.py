@@ -48,7 +48,6 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
@@ -65,7 +64,7 @@ from rallypoint.manager._heal import Healer
 from rallypoint.manager._inject import Injector
 from rallypoint.manager._outage import Outage, quorum_failure
 from rallypoint.manager._peer_relay import PeerDownRelay
-from rallypoint.manager._record import RoundLog, StepRecord, cause_of
+from rallypoint.manager._record import Round as _Round, RoundLog, StepRecord, cause_of
 from rallypoint.manager._state import UserState
 from rallypoint.manager._work import DoneWork, ManagedWork, allreduce_args
 from rallypoint.manager.recovery import QuorumResult
@@ -77,29 +76,38 @@ T = TypeVar("T")
 log = logging.getLogger("rallypoint.manager")
 
 
-
-
-@dataclass(eq=False)
-class _Round:
-    """One round: its :class:`StepRecord` (what happened, kept afterwards) and the
-    hand-offs between the quorum thread and the training thread (dropped at its end)."""
-
-    rec: StepRecord
-    heal_plan: QuorumResult | None = None  # a heal to serve/fetch on the training thread
-    pending: dict[str, Any] | None = None  # received state, applied at the next safe point
-    apply_due: bool = False  # healing: contributes zeros until ``pending`` is applied
-    quorum_error: Exception | None = None  # raised by should_commit / wait_quorum
-    served_here: bool = False  # the training thread served a heal in this round
-    skipped: bool = False  # allreduce skipped a collective (the step had already failed)
-
-
 class Manager(GroupConnection):
     """Fault-tolerant data-parallel training for one rank of one replica group.
 
-    Arguments mirror torchft 0.2.0. Unset arguments fall back to the environment:
-    ``RALLYPOINT_LIGHTHOUSE``/``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHFT_MANAGER_PORT``,
-    ``TORCHFT_TIMEOUT_SEC``, ``TORCHFT_QUORUM_TIMEOUT_SEC``, ``TORCHFT_CONNECT_TIMEOUT_SEC``.
+    Arguments mirror torchft 0.2.0's; those left unset fall back to the environment
+    (docs/environment.md). A ``*_TIMEOUT_SEC`` variable, when set, wins over its argument.
+
+    Args:
+        pg: the reconfigurable process group across replica groups (``ProcessGroupGloo``, ``...NCCL``, ``...Baby*``).
+        load_state_dict: applies a healed state, what ``state_dict`` returned on a peer (key ``"default"``).
+        state_dict: returns the state a healing peer receives (model, optimizer, ...).
+        min_replica_size: fewest participating replica groups a step needs to commit.
+        use_async_quorum: compute the quorum on a background thread while forward runs (True).
+        timeout: collectives, heals and the commit vote (60 s; ``RALLYPOINT_TIMEOUT_SEC``).
+        quorum_timeout: how long a quorum may take to form (60 s; ``RALLYPOINT_QUORUM_TIMEOUT_SEC``).
+        connect_timeout: reaching the lighthouse, rank 0 and the store (60 s; ``RALLYPOINT_CONNECT_TIMEOUT_SEC``).
+        rank: this rank's index in its replica group (``RANK``; 0).
+        world_size: ranks per replica group (``WORLD_SIZE``; 1).
+        world_size_mode: ``DYNAMIC`` (all live groups) or ``FIXED_WITH_SPARES`` (``min_replica_size`` contribute).
+        store_addr: the group's store host (``MASTER_ADDR``; unset: group rank 0 hosts one).
+        store_port: the group's store port (``MASTER_PORT``).
+        lighthouse_addr: the lighthouse or an HA list ``a,b`` (``RALLYPOINT_LIGHTHOUSE``, ``TORCHFT_LIGHTHOUSE``).
+        replica_id: this group's name; a unique suffix is added (``REPLICA_GROUP_ID``).
+        port: group rank 0's ManagerServer port (``RALLYPOINT_MANAGER_PORT``; 0: the OS picks).
+        hostname: the address peers reach this rank's servers at (the host's name).
+        heartbeat_interval: between heartbeats to the lighthouse (100 ms).
+        checkpoint_transport: how heals move state (``HTTPTransport`` on ``RALLYPOINT_HEAL_HOST``'s network).
+        init_sync: at step 0, non-primary groups heal from the primary, so all start equal (True).
+        max_retries: raise after this many consecutive failed steps (None: never).
+        quorum_retries: retries of a failed quorum call before the step fails (0).
+        heal_on_training_thread: serve and apply heals on the training thread (FSDP2 needs it).
+        sdc_check: compare gradients across replicas before each commit (``RALLYPOINT_SDC_CHECK``).
+        sdc_check_every: compare parameter hashes every N commits (``RALLYPOINT_SDC_CHECK_EVERY``; 0: off).
     """
 
     def __init__(
@@ -205,6 +213,7 @@ class Manager(GroupConnection):
 
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
+        """Add state under ``key`` to what heals send (``state_dict``) and apply (``load_state_dict``)."""
         self._user_state.register(key, load_state_dict, state_dict)
 
     def register_sdc_params(self, params: Any) -> None:
@@ -225,6 +234,7 @@ class Manager(GroupConnection):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Restore the step counters of :meth:`state_dict` (from a checkpoint)."""
         setup = int(state_dict.get("setup_rounds", 0))
         self._step = int(state_dict["step"]) + setup
         self._setup_rounds = setup
@@ -245,6 +255,7 @@ class Manager(GroupConnection):
         self._ff.report_error(e)
 
     def errored(self) -> Exception | None:
+        """The error that failed this step, or None."""
         return self._ff.errored()
 
     def _note_error(self, e: Exception, cause: str | None) -> None:
@@ -546,26 +557,31 @@ class Manager(GroupConnection):
         return self._step - self._setup_rounds
 
     def batches_committed(self) -> int:
+        """Batches committed so far, summed over the participants of each committed step."""
         return self._batches_committed
 
     def num_participants(self) -> int:
+        """Replica groups taking part in this step (waits for the quorum; 0 before the first)."""
         if self._quorum_future is None:
             return 0
         self._wait_future()
         return self._participating_world_size
 
     def participating_rank(self) -> int | None:
+        """This group's rank among the participants of this step (None: it does not contribute)."""
         if self._quorum_future is None:
             return None
         self._wait_future()
         return self._participating_rank
 
     def is_participating(self) -> bool:
+        """Whether this group contributes to this step (not healing, not a spare, not sitting out)."""
         return self._participating_rank is not None and not self._cur.apply_due \
             and not self._guard.sitting_out(self._replica_id)
 
     @property
     def replica_id(self) -> str:
+        """This replica group's id as the lighthouse knows it (``REPLICA_GROUP_ID`` plus a suffix)."""
         return self._replica_id
 
     @property

@@ -271,6 +271,7 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     @property
     def port(self) -> int:
+        """The port the checkpoint server listens on."""
         return self._port
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:

@@ -227,6 +227,7 @@ class PGTransport(CheckpointTransport[Any]):
         self.last_recv = TransferStats()
 
     def metadata(self) -> str:
+        """What peers need to fetch from this transport: nothing (the process group carries it)."""
         return "<pg>"
 
     def disallow_checkpoint(self) -> None:
