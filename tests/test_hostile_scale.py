@@ -692,7 +692,8 @@ def test_10000_hostile_calls_leave_rss_and_legal_quorums_intact(
     # limit, so the token check sees no token; a message over 8 MiB is refused after it).
     refused_then_too_big = (counts[("grpc Status, 20 KiB authorization header", "RESOURCE_EXHAUSTED")]
                             + counts[("grpc Quorum, message over the receive limit, no token", "RESOURCE_EXHAUSTED")])
-    assert rejected("unauthenticated") == grpc_unauth + refused_then_too_big, (
+    http_unauth = sum(n for (name, st), n in counts.items() if name.startswith("HTTP") and st == "401")
+    assert rejected("unauthenticated") == grpc_unauth + refused_then_too_big + http_unauth, (
         "rallypoint_lighthouse_rejected_requests_total{reason=unauthenticated} counts every refused call", summary)
     # Every INVALID_ARGUMENT (field checks and malformed bytes alike) is counted.
     assert rejected("invalid_argument") == grpc_invalid, summary

@@ -176,8 +176,10 @@ def job_picker(view: Any, jobs: JobSource, admit: Admit,
 
 
 def add_job_routes(app: FastAPI, jobs: JobSource, admit: Admit, token: str | None,
-                   pick: Callable[..., Awaitable[Picked]]) -> None:
-    """Register ``GET /jobs`` and the every-job ``GET /metrics`` (called by ``create_app``)."""
+                   pick: Callable[..., Awaitable[Picked]],
+                   on_reject: Callable[[str, str], None] | None = None) -> None:
+    """Register ``GET /jobs`` and the every-job ``GET /metrics`` (called by ``create_app``);
+    ``on_reject(job, why)`` counts each refused credential, as for the per-job routes."""
     refusals = _Refusals()
 
     def admitted(request: Request) -> list[str]:
@@ -187,6 +189,8 @@ def add_job_routes(app: FastAPI, jobs: JobSource, admit: Admit, token: str | Non
         names = [n for n in jobs.names() if admit(n, header) is None]
         if not names and rules.secured(token, jobs.configs):
             refusals.log(request, None, "admitted by no job")
+            if on_reject is not None:
+                on_reject(DEFAULT_JOB, "admitted by no job")
             raise HTTPException(status_code=401, detail=NO_JOB_ADMITTED, headers={"WWW-Authenticate": "Bearer"})
         return names
 

@@ -173,7 +173,7 @@ def create_app(view: LighthouseView, token: str | None = None, *, jobs: JobSourc
             """Prometheus scrape endpoint."""
             return Response(picked.view.metrics(), media_type=METRICS_CONTENT_TYPE)
     else:
-        add_job_routes(app, jobs, admits, token, pick)  # GET /jobs, GET /metrics (every admitted job)
+        add_job_routes(app, jobs, admits, token, pick, on_reject)  # GET /jobs, GET /metrics (every admitted job)
 
     @app.get("/events")
     async def events(
