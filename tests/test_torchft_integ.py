@@ -8,8 +8,9 @@ then runs in a pytest of its own (a subprocess: torchft's tests bind fixed manag
 19530+, so one file's leftovers must not reach the next), and every test must pass,
 except:
 
-- ``EXCEPTIONS``: tests whose result differs on purpose (README, "torchft's own tests",
-  gives each reason); each has a test here that checks what rallypoint does instead;
+- ``EXCEPTIONS``: tests whose result differs on purpose (docs/migrating.md, "torchft's own
+  integration tests", gives each reason); each has a test here that checks what rallypoint
+  does instead;
 - tests that skip for want of a GPU or of torchcomms, as they do for torchft itself here.
 """
 
@@ -37,7 +38,7 @@ except (RuntimeError, ImportError) as e:  # pragma: no cover - make install prov
 
 RECOVERY = "torchft.diloco_regression_test.DiLoCoMockedUpdateTest.test_diloco_mocked_failure_recovery_0"
 
-#: test id -> why it fails against rallypoint on purpose (mirrored in README).
+#: test id -> why it fails against rallypoint on purpose (mirrored in docs/migrating.md).
 EXCEPTIONS = {
     RECOVERY: (
         "the restarted replica joins the running round when its first inner step begins (and drops that "
