@@ -12,12 +12,17 @@ missing page and a link to a file outside ``docs/`` alike ("not found"):
   INFO. A page that exists but is missing from the nav still fails the strict build
   (``validation: omitted_files: warn``), so a misspelled entry is caught.
 
+- **Every public name in the API reference.** Each name of ``rallypoint.__all__`` and of
+  the ``__all__`` of the public subpackages (read from the source, nothing imported) must
+  have a rendered entry on some page, else a warning.
+
 Links between pages, and their anchors, are left to MkDocs' validation. Last, the Sphinx
 roles a few docstrings use (``:class:`Name```) are rendered as code, as Sphinx would.
 """
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import posixpath
@@ -177,3 +182,54 @@ def _role_to_code(m: re.Match[str]) -> str:
 def on_page_content(html: str, page: Page, config: MkDocsConfig, files: Files) -> str:
     """Render the Sphinx roles some docstrings use (``:class:`X```) as plain code, as Sphinx would."""
     return _ROLE.sub(_role_to_code, html)
+
+
+#: The packages whose ``__all__`` the API reference must cover, name by name.
+PUBLIC_PACKAGES = ("rallypoint", "rallypoint.integrations", "rallypoint.process_groups", "rallypoint.transports")
+#: Public names that are not objects with a page entry of their own.
+NOT_DOCUMENTED = {"__version__"}
+
+# The ids mkdocstrings gives the headings of the objects it renders, by page.
+_HEADING_ID = re.compile(r'<h[1-6][^>]*\bid="(rallypoint\.[A-Za-z0-9_.]+)"')
+_rendered: set[str] = set()
+
+
+def public_names(root: str, package: str) -> list[str]:
+    """The names of ``package.__all__`` (for ``rallypoint``: its lazily loaded ``_LAZY`` too), read by ``ast``."""
+    path = os.path.join(root, *package.split("."), "__init__.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    names: list[str] = []
+    for node in tree.body:
+        target, value = None, None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        if not isinstance(target, ast.Name) or value is None:
+            continue
+        if target.id == "__all__" and isinstance(value, ast.List):
+            names += [e.value for e in value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        elif target.id == "_LAZY" and isinstance(value, ast.Dict) and package == "rallypoint":
+            names += [k.value for k in value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+    return sorted(set(names))
+
+
+def on_pre_build(config: MkDocsConfig) -> None:
+    """Forget the previous build's entries (``mkdocs serve`` rebuilds in one process)."""
+    _rendered.clear()
+
+
+def on_post_page(output: str, page: Page, config: MkDocsConfig) -> str:
+    """Note the short name of every object the page renders an entry for."""
+    _rendered.update(m.rsplit(".", 1)[-1] for m in _HEADING_ID.findall(output))
+    return output
+
+
+def on_post_build(config: MkDocsConfig) -> None:
+    """Warn about each public name the API reference has no entry for."""
+    root = _repo_root(config)
+    for package in PUBLIC_PACKAGES:
+        for name in public_names(root, package):
+            if name not in NOT_DOCUMENTED and name not in _rendered:
+                log.warning("API reference: %s.%s has no entry in docs/api/", package, name)
