@@ -1,20 +1,19 @@
 """MkDocs hooks for the documentation site (mkdocs.yml ``hooks:``), run by ``make docs``.
 
-Rules that MkDocs' own link validation cannot express, since it reports a link to a
-missing page and a link to a file outside ``docs/`` alike ("not found"):
+Checks MkDocs' own validation cannot express (it reports a link to a missing page and a
+link to a file outside ``docs/`` alike, "not found"); each failure is a warning, so an
+error under ``mkdocs build --strict``:
 
 - **Links to repository files.** A page may link to a file of the repository outside
   ``docs/`` (``../examples/train_ddp.py``), as it would on GitHub. Such a target must
-  exist in the checkout (else a warning, an error under ``--strict``); it is published
-  with the site, verbatim, under ``_repo/`` and the link is rewritten to that copy, so the
-  built site's links work offline. A link to a folder goes to its ``README.md``.
+  exist in the checkout; it is published with the site, verbatim, under ``_repo/`` and
+  the link is rewritten to that copy, so the built site's links work offline. A link to a folder goes to its ``README.md``.
 - **Pages not written yet.** A nav entry whose page does not exist is left out, said at
   INFO. A page that exists but is missing from the nav still fails the strict build
   (``validation: omitted_files: warn``), so a misspelled entry is caught.
-
 - **Every public name in the API reference.** Each name of ``rallypoint.__all__`` and of
   the ``__all__`` of the public subpackages (read from the source, nothing imported) must
-  have a rendered entry on some page, else a warning.
+  have a rendered entry on some page.
 
 Links between pages, and their anchors, are left to MkDocs' validation. Last, the Sphinx
 roles a few docstrings use (``:class:`Name```) are rendered as code, as Sphinx would.
@@ -39,8 +38,10 @@ log = logging.getLogger("mkdocs.hooks.rallypoint")
 #: Where repository files linked from the pages are published inside the site.
 REPO_PREFIX = "_repo"
 
-# An inline Markdown link or image target: ](target) or ](target "title").
+# An inline Markdown link or image target, ](target) or ](target "title"), and a
+# reference definition, [label]: target.
 _LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?((?:\s+\"[^\"]*\")?\s*)\)")
+_REF = re.compile(r"^(\s{0,3}\[[^\]]+\]:\s*)<?([^\s>]+)>?")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 
 
@@ -100,6 +101,7 @@ def _rewrite(markdown: str, transform: Any) -> str:
             fenced = not fenced
         elif not fenced:
             line = _LINK.sub(lambda m: f"]({transform(m.group(1))}{m.group(2)})", line)
+            line = _REF.sub(lambda m: f"{m.group(1)}{transform(m.group(2))}", line)
         out.append(line)
     return "".join(out)
 
