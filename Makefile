@@ -63,8 +63,9 @@ wheel-check: $(STAMP)
 
 # The documentation site (mkdocs.yml) into site/, with warnings as errors: a broken link
 # between pages or to a heading, a page left out of the nav, a docstring griffe cannot
-# parse, a link to a repository file that does not exist (tools/docs_hooks.py). Needs only
-# the `docs` extra's packages (the API reference is read from the source: no torch). Part of CI.
+# parse; and (tools/docs_hooks.py) a link to a repository file that does not exist, a public
+# name without an API reference entry. Needs only the `docs` extra's packages: the API
+# reference is read from the source, nothing imported, no torch. Part of CI.
 docs: $(DOCS_STAMP)
 	$(VPY) -m mkdocs build --strict
 
