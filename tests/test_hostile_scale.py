@@ -1,5 +1,5 @@
 """10,000 hostile calls leave the lighthouse's RSS within +20 MiB and every legal
-replica's quorum intact (issue 13, DESIGN.md "Security").
+replica's quorum intact (docs/design.md, "Security").
 
 The lighthouse runs as users run it: ``python -m rallypoint lighthouse`` as a child
 process, the job token in ``RALLYPOINT_TOKEN``, both ports chosen by the OS and read

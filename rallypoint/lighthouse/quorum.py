@@ -6,7 +6,7 @@ collects heartbeats and pending requests, calls :func:`decide` whenever somethin
 changes (and at ``Decision.next_check``), and answers waiters when a quorum forms.
 Keeping the rules here lets tests drive every branch with a table of plain values.
 
-The rules (DESIGN.md, "The lighthouse"):
+The rules (docs/design.md, "The lighthouse"):
 
 1. healthy = replicas whose last heartbeat is younger than ``heartbeat_timeout``, plus
    every replica with a pending Quorum request (a waiting request keeps its replica

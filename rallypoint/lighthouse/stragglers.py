@@ -3,7 +3,7 @@ lighthouse does about it (``--stragglers report|evict``).
 
 Why here: the lighthouse is the one place that hears from every replica group every step.
 Each group's Quorum request carries, in ``requester.data``, a ``"step_stats"`` object that
-describes the group's previous round (DESIGN.md, "Guards"); the one number scored is
+describes the group's previous round (docs/design.md, "Guards"); the one number scored is
 ``compute_s``, the time the group's slowest rank spent before its first cross-replica
 collective. No peer can slow that part down (a fast group that waits for a slow one shows
 the wait in ``comm_s``), so comparing it across groups names the slow group, not its

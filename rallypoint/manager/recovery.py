@@ -5,7 +5,7 @@ one replica group where it stands: its replica rank, whether it must heal, from 
 which healing replicas it must serve, and which TCPStore to use. No I/O, no clock:
 the :class:`~rallypoint.manager.server.ManagerServer` is a thin shell around it.
 
-The rules (DESIGN.md, "The manager"), matching torchft 0.2.0's answers except where noted:
+The rules (docs/design.md, "The manager"), matching torchft 0.2.0's answers except where noted:
 
 * members are ordered by ``replica_id``; ``replica_rank`` is the own index;
 * ``max_step`` is the highest step; the members at ``max_step`` are the "max" set

@@ -1,6 +1,6 @@
 """Reconfigurable process groups for fault-tolerant data parallelism.
 
-See DESIGN.md, "Process groups". Everything here is a ``torch.distributed.ProcessGroup``
+See docs/design.md, "Process groups". Everything here is a ``torch.distributed.ProcessGroup``
 whose membership is replaced by ``configure()`` at every quorum change, whose waits
 are bounded by a timeout, and whose failures surface through ``errored()``.
 
