@@ -328,3 +328,65 @@ def test_torchft_style_caller_is_bound_to_its_host(lighthouse) -> None:
             list(ch.stream_stream("/rallypoint.RallypointLighthouse/Attach")(
                 iter([hello]), timeout=T, metadata=md + [(SESSION_HEADER, "someone-else")]))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+# ------------------------------------------------------------------ ManagerServer rank keys
+@pytest.mark.parametrize("published, key, refused", [
+    (None, None, None),  # torchft's client (no key): torchft's rules
+    (None, "k1", "has published no rank key"),  # the rank never wrote one: nobody may bind it
+    ("DIGEST(k1)", "k1", None),  # the key its rank published
+    ("DIGEST(k1)", "k2", "not the one group rank 1 published"),  # a token holder's own key
+    ("garbage", "k1", "not the one"),
+])
+def test_confirm_rank(published: str | None, key: str | None, refused: str | None) -> None:
+    from rallypoint.manager._votes import confirm_rank, rank_key_digest
+
+    if published == "DIGEST(k1)":
+        published = rank_key_digest("k1")
+    why = confirm_rank(published, 1, key)
+    assert (why is None) if refused is None else (why is not None and refused in why), why
+    assert "k1" not in rank_key_digest("k1")
+
+
+def test_a_token_holder_calling_first_cannot_take_a_rank_the_store_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before rank 1 ever called, a token holder's Quorum and ShouldCommit for rank 1 (its
+    own key) are refused: the server binds rank 1 only to the key whose digest rank 1 wrote
+    in the group's store. Rank 1 then binds and trains; rank 0 is in-process."""
+    import concurrent.futures as cf
+    from datetime import timedelta
+
+    from rallypoint.lighthouse.server import LighthouseServer
+    from rallypoint.manager._votes import new_rank_key, rank_key_digest
+    from rallypoint.manager.client import ManagerClient
+    from rallypoint.manager.server import ManagerServer
+
+    monkeypatch.setenv("RALLYPOINT_TOKEN", OPERATOR)
+    ten = timedelta(seconds=10)
+    store: dict[int, str] = {}  # the group's store, as the server reads it
+    key1 = new_rank_key()
+    store[1] = rank_key_digest(key1)  # rank 1 writes it before its first call (manager/_connect.py)
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, token=OPERATOR)
+    server = ManagerServer(replica_id="g:1", lighthouse_addr=lh.address(), hostname="127.0.0.1", bind="127.0.0.1:0",
+                           store_addr="127.0.0.1:29500", world_size=2, connect_timeout=ten, on_kill=lambda _m: None,
+                           published_rank_key=store.get)
+    try:
+        with ManagerClient(server.address(), connect_timeout=ten) as forger:
+            with pytest.raises(PermissionError, match="not the one group rank 1 published"):
+                forger._quorum(1, 0, "http://evil:1", False, timedelta(seconds=2))
+            with pytest.raises(PermissionError, match="not the one group rank 1 published"):
+                forger.should_commit(1, 0, True, timedelta(seconds=2))
+        assert not server._rounds and not server._rank_keys
+        from rallypoint.manager._local import LocalManagerClient
+
+        rank0 = LocalManagerClient(server)
+        with ManagerClient(server.address(), connect_timeout=ten, rank_key=key1) as rank1, cf.ThreadPoolExecutor(2) as pool:
+            a = pool.submit(rank0._quorum, 0, 0, "http://rank0:1", False, ten)
+            b = pool.submit(rank1._quorum, 1, 0, "http://rank1:1", False, ten)
+            assert a.result(20).quorum_id == b.result(20).quorum_id
+            a = pool.submit(rank0.should_commit, 0, 0, True, ten)
+            b = pool.submit(rank1.should_commit, 1, 0, True, ten)
+            assert (a.result(20), b.result(20)) == (True, True)
+            assert rank1._checkpoint_metadata(1, ten) == "http://rank1:1"
+    finally:
+        server.shutdown()
+        lh.shutdown()
