@@ -109,8 +109,10 @@ A = Caller("cred-a", "s1", "127.0.0.1")
 @pytest.mark.parametrize("owner, caller, refused", [
     (None, A, False),  # unbound: the first caller binds it
     (A, A, False),  # the owner, again (a reconnect of the same process)
-    (A, Caller("cred-a", "s1", "10.0.0.9"), True),  # its session from another host
-    (A, Caller("cred-b", "s1", "127.0.0.1"), True),  # another credential
+    (A, Caller("cred-a", "s1", "10.0.0.9"), False),  # its session over another interface
+    (A, Caller("cred-b", "s1", "127.0.0.1"), False),  # its session with a rotated token
+    (A, Caller("cred-b", "s2", "127.0.0.1"), True),  # another credential, another process
+    (Caller("c", None, "10.0.0.1"), Caller("d", None, "10.0.0.1"), True),  # torchft: another credential
     (A, Caller("cred-a", "s2", "127.0.0.1"), True),  # another process, same token and host
     (A, Caller("cred-a", None, "127.0.0.1"), True),  # raw gRPC, no session
     (Caller("c", None, "10.0.0.1"), Caller("c", None, "10.0.0.1"), False),  # torchft: bound to its host

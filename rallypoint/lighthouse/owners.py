@@ -12,7 +12,8 @@ that rallypoint's clients send with every call (:data:`SESSION_HEADER`: random p
 kept across reconnects, to a restarted or a failed-over lighthouse too) and, for callers
 without one (torchft's clients), the host it calls from. The first Quorum, Heartbeat or
 Attach of an id binds it; while the id lives every later one must come from the same
-caller (:func:`refusal`). The binding ends with the replica: its stream ended (a goodbye
+caller (:func:`refusal`): the same session, or for a session-less owner the same credential
+and host. The binding ends with the replica: its stream ended (a goodbye
 or a crash), its heartbeat expired, or it was forgotten, after which a restarted group
 (a new ``<group>:<uuid>`` id anyway) or anyone else may register the id. Bindings live in
 memory only: a restarted lighthouse binds each id to its first caller again (the replicas
@@ -79,15 +80,24 @@ def caller_of(metadata: Iterable[tuple[str, Any]] | None, peer: str) -> Caller:
 
 
 def refusal(owner: Caller | None, caller: Caller, rid: str) -> str | None:
-    """Why ``caller`` may not speak for live replica ``rid`` bound to ``owner`` (None: it may)."""
-    if owner is None or owner == caller:
+    """Why ``caller`` may not speak for live replica ``rid`` bound to ``owner`` (None: it may).
+
+    A session names its process: the same session is the owner (its token may have been
+    rotated, or its traffic moved to another interface); another session, or none where the
+    owner had one (or one where it had none), is another process. Session-less callers
+    (torchft's) are the owner when both credential and host match."""
+    if owner is None:
         return None
-    if owner.credential != caller.credential:
-        who = "another credential"
-    elif owner.session is not None or caller.session is not None:
+    if owner.session is not None or caller.session is not None:
+        if owner.session == caller.session:
+            return None
         who = "another process (a different session)"
-    else:
+    elif owner.credential != caller.credential:
+        who = "another credential"
+    elif owner.host != caller.host:
         who = f"a caller on another host ({owner.host})"
+    else:
+        return None
     return (f"replica id {rid!r} is registered by {who} and is alive; a replica id belongs to the process that "
             "registered it until that replica leaves or dies (a restarted group gets a new <group>:<uuid> id)")
 
