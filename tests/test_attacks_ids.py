@@ -385,9 +385,9 @@ def test_a_token_holder_calling_first_cannot_take_a_rank_the_store_names(monkeyp
             a = pool.submit(rank0._quorum, 0, 0, "http://rank0:1", False, ten)
             b = pool.submit(rank1._quorum, 1, 0, "http://rank1:1", False, ten)
             assert a.result(20).quorum_id == b.result(20).quorum_id
-            a = pool.submit(rank0.should_commit, 0, 0, True, ten)
-            b = pool.submit(rank1.should_commit, 1, 0, True, ten)
-            assert (a.result(20), b.result(20)) == (True, True)
+            v0 = pool.submit(rank0.should_commit, 0, 0, True, ten)
+            v1 = pool.submit(rank1.should_commit, 1, 0, True, ten)
+            assert (v0.result(20), v1.result(20)) == (True, True)
             assert rank1._checkpoint_metadata(1, ten) == "http://rank1:1"
     finally:
         server.shutdown()
