@@ -247,6 +247,8 @@ def test_attack_id_takeover_is_refused_and_the_victim_keeps_training(lighthouse,
                                                           headers={"Authorization": f"Bearer {OPERATOR}"}).json()
         after = replica_row(status, victim)
         assert after is not None and after["address"] == before["address"] and after["attached"], after
+        events = lh.job_core(job or "default").store.events(limit=1000, replica_id=victim)
+        assert [e.kind for e in events] == ["join"], [(e.kind, e.detail) for e in events]
 
     # The victim leaves: its id is free again.
     stop.write_text("")
