@@ -84,7 +84,8 @@ s = LivenessStream(addr, rid, evil, reconnect_backoff=(5.0, 5.0))
 out["attach"] = "welcomed" if s.start(3.0) else "not welcomed"
 s.close()
 # Raw gRPC with the token and no session at all.
-md = [("authorization", "Bearer " + sys.argv[4])] + ([("rallypoint-job", sys.argv[5])] if len(sys.argv) > 5 else [])
+md = ([("authorization", "Bearer " + sys.argv[4])] if sys.argv[4] != "-" else []) + (
+    [("rallypoint-job", sys.argv[5])] if len(sys.argv) > 5 else [])
 ch = grpc.insecure_channel(addr.split("://")[-1], options=[("grpc.enable_http_proxy", 0)])
 req = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id=rid, address=evil, step=10**9))
 try:
@@ -203,22 +204,28 @@ def _training(lh: Any, spawn_python: Callable[..., Proc], stop: Path, env: dict[
     return procs
 
 
-def _attack(spawn_python: Callable[..., Proc], lh: Any, rid: str, token: str, env: dict[str, str],
+def _attack(spawn_python: Callable[..., Proc], lh: Any, rid: str, token: str | None, env: dict[str, str],
             job: str | None = None) -> dict:
-    p = spawn_python(ATTACKER, lh.local_address(), rid, "http://127.0.0.1:6666", token, *([job] if job else []),
+    p = spawn_python(ATTACKER, lh.local_address(), rid, "http://127.0.0.1:6666", token or "-", *([job] if job else []),
                      name="attacker", env=env)
     got = p.json_line(40.0)
     p.wait(10.0)
     return got
 
 
-@pytest.mark.parametrize("per_job", [False, True], ids=["operator-token", "job-token"])
+@pytest.mark.parametrize("setup", ["operator-token", "job-token", "open-job"])
 def test_attack_id_takeover_is_refused_and_the_victim_keeps_training(lighthouse, spawn_python, tmp_path: Path,
-                                                                     per_job: bool) -> None:
-    jobs = {"llama": JobConfig(token=LLAMA)} if per_job else None
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     setup: str) -> None:
+    """The attacker holds what the victim holds: the operator's token, the job's own token,
+    or (an open job) nothing at all."""
+    monkeypatch.delenv("RALLYPOINT_TOKEN", raising=False)
+    monkeypatch.delenv("RALLYPOINT_JOB", raising=False)
+    jobs = {"llama": JobConfig(token=LLAMA)} if setup == "job-token" else (
+        {"default": JobConfig(open=True)} if setup == "open-job" else None)
     lh = lighthouse(min_replicas=2, token=OPERATOR, jobs=jobs, http_bind="127.0.0.1:0", heartbeat_timeout_ms=5000)
-    token, job = (LLAMA, "llama") if per_job else (OPERATOR, None)
-    env = {"RALLYPOINT_TOKEN": token, **({"RALLYPOINT_JOB": job} if job else {})}
+    token, job = {"operator-token": (OPERATOR, None), "job-token": (LLAMA, "llama"), "open-job": (None, None)}[setup]
+    env = {**({"RALLYPOINT_TOKEN": token} if token else {}), **({"RALLYPOINT_JOB": job} if job else {})}
     stop = tmp_path / "stop"
     procs = _training(lh, spawn_python, stop, env)
     victim = "victim:0a1b"
