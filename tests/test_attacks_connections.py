@@ -265,7 +265,7 @@ def _heartbeat(ch: object, token: str = TOKEN) -> None:
     call = ch.unary_unary("/torchft.LighthouseService/Heartbeat",  # type: ignore[attr-defined]
                           request_serializer=pb.LighthouseHeartbeatRequest.SerializeToString,
                           response_deserializer=pb.LighthouseHeartbeatResponse.FromString)
-    call(pb.LighthouseHeartbeatRequest(replica_id="r0"), metadata=[("authorization", f"Bearer {token}")], timeout=5)
+    call(pb.LighthouseHeartbeatRequest(replica_id="probe"), metadata=[("authorization", f"Bearer {token}")], timeout=5)
 
 
 def _own_channel(port: int) -> object:

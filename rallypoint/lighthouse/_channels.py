@@ -11,6 +11,7 @@ import grpc
 from rallypoint._net import addr as addrs
 from rallypoint._net.auth import bearer_metadata, job_token
 from rallypoint._net.job import job_metadata, job_name
+from rallypoint.lighthouse.owners import SESSION_HEADER, session_nonce
 from rallypoint._net.rpc import keepalive_channel_options
 from rallypoint._net.tls import TlsConfig
 from rallypoint._net.tls import channel as tls_channel
@@ -33,9 +34,12 @@ def split_addresses(addr: str) -> list[str]:
 
 def _metadata(token: str | None, job: str | None = None) -> list[tuple[str, str]] | None:
     """The call metadata of the job token (the argument, else RALLYPOINT_TOKEN) and the job
-    name (the argument, else RALLYPOINT_JOB; nothing for the default job)."""
+    name (the argument, else RALLYPOINT_JOB; nothing for the default job), and this
+    process's session nonce."""
     found = (bearer_metadata(job_token(token)) or []) + job_metadata(job_name(job))
-    return found or None
+    # The process's session nonce: the lighthouse binds a replica id to the process that
+    # registered it (owners.py); the same nonce on every call and reconnect keeps it ours.
+    return found + [(SESSION_HEADER, session_nonce())]
 
 
 def _not_leader(e: grpc.RpcError) -> bool:

@@ -31,6 +31,7 @@ from rallypoint.lighthouse._view import _raw
 from rallypoint.lighthouse.core import OUTBOX_LIMIT, LighthouseCore, ReplicaDead, _Attachment
 from rallypoint.lighthouse.injections import UnknownReplica, check_request, refusal_detail
 from rallypoint.lighthouse.jobs import refusal_hint
+from rallypoint.lighthouse.owners import caller_of
 
 log = logging.getLogger("rallypoint.lighthouse")
 # A stream must say hello promptly, or it is a confused client holding a slot.
@@ -164,6 +165,21 @@ class _Service:
             raise AssertionError("unreachable")
         return rpb.ReportEventResponse(event_id=event.id)
 
+    async def _claim(self, context: grpc.aio.ServicerContext, job: Job, rid: str, what: str) -> None:
+        """PERMISSION_DENIED (counted as ``replica_id_taken``) unless the caller may speak
+        for replica ``rid`` (:mod:`owners`): a live id is bound to the caller that registered it."""
+        caller = caller_of(context.invocation_metadata(), context.peer())
+        why = job.core.owners.claim(rid, caller)
+        if why is None:
+            return
+        job.metrics.rejected("replica_id_taken")
+        left_out = self._log_throttle.ready()
+        if left_out is not None:
+            log.warning("refused %s under replica id %r in job %r from %s (%s): the id is bound to another caller%s",
+                        what, rid, job.name, context.peer(), caller.describe(), left_out_note(left_out, "other refusals"))
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        raise AssertionError("unreachable")
+
     async def _invalid(self, context: grpc.aio.ServicerContext, err: Exception, job: Job | None = None) -> None:
         (job or self.table.default).metrics.rejected("invalid_argument")
         left_out = self._log_throttle.ready()  # a flood of bad requests cannot flood the log
@@ -178,6 +194,7 @@ class _Service:
             await self._invalid(context, e)
             raise AssertionError("unreachable")
         job = await self._job(context)
+        await self._claim(context, job, member.replica_id, "a Quorum")
         core = job.core
         log.debug("[%s] quorum request at step %d (job %s)", member.replica_id, member.step, job.name)
         try:
@@ -230,7 +247,9 @@ class _Service:
         except validate.InvalidRequest as e:
             await self._invalid(context, e)
             raise AssertionError("unreachable")
-        (await self._job(context)).core.heartbeat(rid)
+        job = await self._job(context)
+        await self._claim(context, job, rid, "a Heartbeat")
+        job.core.heartbeat(rid)
         return pb.LighthouseHeartbeatResponse()
 
     async def attach(self, _requests: Any, context: grpc.aio.ServicerContext) -> None:
@@ -256,6 +275,7 @@ class _Service:
             await self._invalid(context, e)
             return
         job = await self._job(context)
+        await self._claim(context, job, rid, "an Attach")
         core = job.core
         att = core.attach(rid, first.hello.address, first.hello.leases, max(0, first.hello.lease_quorum_id))
         log.info("[%s] liveness stream attached from %s (job %s)", rid, context.peer(), job.name)

@@ -32,6 +32,7 @@ from rallypoint.lighthouse._scoring import Scoring
 from rallypoint.lighthouse._ledger_store import GoodputBook
 from rallypoint.lighthouse.injections import InjectionDesk
 from rallypoint.lighthouse.metrics import LighthouseMetrics
+from rallypoint.lighthouse.owners import OwnerDesk
 from rallypoint.lighthouse.state import MEMORY, StateStore
 from rallypoint.lighthouse.validate import member_to_pb
 
@@ -139,6 +140,7 @@ class LighthouseCore(Scoring):
         self.leases = ls.LeaseDesk(leases)  # quorum leases (leases.py, LEASES.md)
         self.leases.restored(self.previous)
         self._expected: dict[str, float] = {}  # members of a just-revoked lease -> waited for until
+        self.owners = OwnerDesk()  # who may speak for each live replica id (owners.py)
         self.injections = InjectionDesk()  # `rallypoint inject`: handed out with the next quorum answer
         # The goodput ledger (ledger.py): fed below, saved in the state file now and then.
         # Saved in the state file; kept in memory with no file (":memory:", or etcd's state).
@@ -338,6 +340,7 @@ class LighthouseCore(Scoring):
         if self.previous is not None and rid in self.previous.replica_id_set:
             self.leases.fresh_id = True  # a quorum after a member's death never reuses the id it had
         self._dead[rid] = self._clock()
+        self.owners.release(rid)  # its id is free again
         self.heartbeats.pop(rid, None)
         self._healthy_seen.discard(rid)
         self.pending.pop(rid, None)
@@ -505,6 +508,8 @@ class LighthouseCore(Scoring):
         # Same expiry test as quorum.healthy_replicas, so reports and decisions agree.
         for rid in [r for r in self._healthy_seen if r not in self.pending and self.heartbeats.get(r, -timeout) + timeout <= now]:
             self._healthy_seen.discard(rid)
+            if rid not in self._attached:  # a live stream still speaks for it
+                self.owners.release(rid)
             self.metrics.replica_down("heartbeat_expired")
             self.store.record_event("leave", rid, reason="heartbeat expired")
             if self.leases.holds(rid):
@@ -524,6 +529,7 @@ class LighthouseCore(Scoring):
         for held in (self._addresses, self._steps):
             for rid in [r for r in held if r not in known]:
                 del held[rid]
+        self.owners.keep_only(known - set(self._dead))
         for rid in [r for r in self.stragglers.groups() if r not in known]:
             self.stragglers.forget(rid)
         for rid in [r for r in self.injections.pending() if r not in known]:

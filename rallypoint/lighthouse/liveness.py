@@ -165,7 +165,8 @@ class LivenessStream:
                     if self._on_lease_revoke is not None:  # no stream from now on: no lease either
                         self._on_lease_revoke(rpb.LeaseRevoke(quorum_id=2**62, reason="liveness stream refused"))
                     return
-                why = f"broke ({e.code()}: {e.details()})" if n > 1 else f"broke ({e.code()})"
+                detailed = n > 1 or e.code() == grpc.StatusCode.PERMISSION_DENIED  # e.g. our id is someone else's
+                why = f"broke ({e.code()}: {e.details()})" if detailed else f"broke ({e.code()})"
             self._welcomed.clear()
             failed += 1
             self._next = (index + 1) % n

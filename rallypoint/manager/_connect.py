@@ -7,7 +7,10 @@ that the step path (quorum, allreduce, commit) reads on its own.
 With a job token, what rank 0 publishes in the store is signed (``_storesig``) and every
 rank checks it: a ``manager_addr`` written by anyone else (who would then receive the job
 token from the ranks that dial it) is refused, logged, and rank 0's own value waited for.
-Without a token the store's values are trusted as they are (the data plane is open)."""
+Without a token the store's values are trusted as they are (the data plane is open).
+
+Each rank 1..n writes the digest of its ManagerClient's rank key in the store before its
+first call; the server binds a group rank only to the key its digest names (``_votes``)."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from rallypoint.manager._config import env as _env
 from rallypoint.manager._failfast import FailFast
 from rallypoint.manager._peer_relay import PeerDownRelay
 from rallypoint.manager._storesig import sign, store_scope, verify
+from rallypoint.manager._votes import RANK_KEY_STORE_KEY, new_rank_key, rank_key_digest
 from rallypoint.manager._store import open_store as _open_store, plan_store as _plan_store, store_prefix as _store_prefix
 from rallypoint.manager.client import ManagerClient
 
@@ -33,6 +37,17 @@ MANAGER_ADDR_KEY = "manager_addr"
 REPLICA_ID_KEY = "replica_id"
 #: How often a rank that found a forged value looks again for rank 0's own.
 _RECHECK_S = 0.05
+
+
+def published_rank_key(store: Any, rank: int, log: logging.Logger | logging.LoggerAdapter) -> str | None:
+    """The digest of its rank key that group rank ``rank`` wrote in the group's store (None
+    if none, or the store cannot be read): what the ManagerServer binds the rank to."""
+    key = RANK_KEY_STORE_KEY.format(rank=rank)
+    try:
+        return store.get(key).decode("ascii", "replace") if store.check([key]) else None
+    except Exception as e:  # noqa: BLE001 - unreadable: unconfirmed (the caller is refused and retries)
+        log.warning("cannot read %s from the group's store: %s", key, e)
+        return None
 
 
 def publish_signed(store: Any, token: str | None, scope: str, values: dict[str, str]) -> None:
@@ -129,6 +144,7 @@ class GroupConnection:
                     quorum_retries=quorum_retries,
                     on_peer_down=self._on_peer_down,
                     on_lease_left=self._on_lease_left,
+                    published_rank_key=lambda rank: published_rank_key(self._store, rank, self._log),
                 )
 
             try:
@@ -159,7 +175,10 @@ class GroupConnection:
 
             self._client = LocalManagerClient(self._server)  # no gRPC round trip to ourselves
         else:
-            self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
+            # Our rank key's digest in the group's store first: the server binds our rank to it.
+            rank_key = new_rank_key()
+            self._store.set(RANK_KEY_STORE_KEY.format(rank=self._group_rank), rank_key_digest(rank_key))
+            self._client = ManagerClient(addr, connect_timeout=self._connect_timeout, rank_key=rank_key)
         if self._group_world_size > 1:
             self._relay = PeerDownRelay(self._store_host, self._store_port, self._group_rank, self._on_peer_down,
                                         self._connect_timeout, prefix=prefix, on_lease_left=self._on_lease_left,

@@ -8,7 +8,10 @@ would commit) or send a ``Quorum`` for another rank that rewrites where healing 
 fetch that rank's state. So each rallypoint rank sends a random key of its own
 (:data:`RANK_KEY_HEADER`) with its ``Quorum`` and ``ShouldCommit`` calls; the server binds
 the first key it sees for a rank to that rank for its own lifetime, and refuses every
-other caller for it. A rank that restarts restarts its whole replica group (torchrun
+other caller for it. When the server can read the group's store (a Manager's group rank
+0), that first key must also be the one the rank published there (its digest, under
+:data:`RANK_KEY_STORE_KEY`, written before the rank's first call): the binding goes to the
+rank the group's own store names, not to whichever token holder called first. A rank that restarts restarts its whole replica group (torchrun
 and ``rallypoint run`` do), so the new server has no binding yet. torchft's clients send
 no key: a rank that never sent one keeps torchft's rules (no binding).
 
@@ -21,6 +24,7 @@ only for that step.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import secrets
@@ -59,6 +63,32 @@ def claim_rank(bound: Mapping[int, str], rank: int, key: str | None) -> str | No
     if not hmac.compare_digest(held.encode(), key.encode()):
         return (f"group rank {rank} is held by another process (a different rank key); two processes claim "
                 "the same group rank, or a rank restarted without its replica group: restart the whole group")
+    return None
+
+
+#: The group's store key under which group rank ``rank`` publishes its rank key's digest.
+RANK_KEY_STORE_KEY = "rank_key/{rank}"
+
+
+def rank_key_digest(key: str) -> str:
+    """What a rank publishes in the group's store for its rank key: a digest, so whoever
+    reads the store learns nothing it could present to the server."""
+    return hashlib.sha256(b"rallypoint-rank-key\n" + key.encode("utf-8", "replace")).hexdigest()
+
+
+def confirm_rank(published: str | None, rank: int, key: str | None) -> str | None:
+    """Whether the group's own store confirms ``key`` for ``rank`` (``published``: the
+    digest rank ``rank`` wrote there, None if none): None if it does (or the caller sent no
+    key: torchft's rules), else why not. Checked before a rank's first key is bound, so the
+    binding goes to the rank the store names, not to the first caller."""
+    if key is None:
+        return None
+    if published is None:
+        return (f"group rank {rank} has published no rank key in the group's store "
+                f"({RANK_KEY_STORE_KEY.format(rank=rank)}); only that rank's own process may speak for it")
+    if not hmac.compare_digest(published.encode(), rank_key_digest(key).encode()):
+        return (f"the rank key is not the one group rank {rank} published in the group's store; another process "
+                "claims that rank (or it restarted without its replica group: restart the whole group)")
     return None
 
 

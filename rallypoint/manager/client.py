@@ -142,7 +142,7 @@ class ManagerClient:
     connect_timeout)``). Thread-safe; ``close()`` releases the channel."""
 
     def __init__(self, addr: str, connect_timeout: float | timedelta = 10.0, *, fail_fast: bool = False,
-                 token: str | None = None, tls: TlsConfig | None = None) -> None:
+                 token: str | None = None, tls: TlsConfig | None = None, rank_key: str | None = None) -> None:
         """``token``: the job token sent with every call (default ``RALLYPOINT_TOKEN``).
         ``tls``: the job's TLS settings (default ``RALLYPOINT_TLS_*``).
         ``fail_fast``: do not wait for the connection; a call to a peer that refuses it
@@ -154,7 +154,8 @@ class ManagerClient:
         self._metadata = bearer_metadata(job_token(token))
         # This client's rank key: the server binds it to the group rank of our first
         # Quorum/ShouldCommit, so no other caller can vote or set checkpoint metadata for it.
-        self._rank_metadata = [*(self._metadata or []), (RANK_KEY_HEADER, new_rank_key())]
+        # ``rank_key``: one the rank published in its group's store (a fresh one by default).
+        self._rank_metadata = [*(self._metadata or []), (RANK_KEY_HEADER, rank_key or new_rank_key())]
         self._channel = tls_channel(grpc_target(addr), addr, tls or tls_config(), channel_options())
         # Calls made without waiting for readiness fail at once (UNAVAILABLE) when the
         # peer refuses the connection: fail_fast skips this wait and relies on that.

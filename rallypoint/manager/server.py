@@ -28,6 +28,7 @@ The decisions themselves are pure functions in :mod:`rallypoint.manager.rules`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import concurrent.futures as cf
 import functools
@@ -60,7 +61,8 @@ from rallypoint._net.lease import Grant, parse_lease
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint.manager._lease import LeaseHolder, StatsBatch
 from rallypoint.manager._inprocess import InProcessCalls, _Failure
-from rallypoint.manager._votes import RANK_KEY_HEADER, CommitVotes, claim_rank, new_future, new_rank_key
+from rallypoint.manager._votes import (RANK_KEY_HEADER, CommitVotes, claim_rank, confirm_rank, new_future,
+                                       new_rank_key)
 
 log = logging.getLogger("rallypoint.manager")
 
@@ -102,10 +104,8 @@ class _QuorumRound:
 
 def _default_kill(msg: str) -> None:
     for h in logging.getLogger().handlers + log.handlers:
-        try:
+        with contextlib.suppress(Exception):
             h.flush()
-        except Exception:
-            pass
     # Let the Kill answer get out before the process goes.
     threading.Timer(0.2, os._exit, args=(1,)).start()
 
@@ -145,6 +145,7 @@ class ManagerServer(InProcessCalls):
         tls: TlsConfig | None = None,
         leases: bool | None = None,
         on_lease_left: Callable[[str, str, int, int], None] | None = None,
+        published_rank_key: Callable[[int], str | None] | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size} (replica {replica_id})")
@@ -180,6 +181,8 @@ class ManagerServer(InProcessCalls):
         # process calls in-process with the server's key.
         self._rank_keys: dict[int, str] = {}
         self._local_key = new_rank_key()
+        # The group's store's digest of a rank's key, if readable: a first key must match it.
+        self._published_key = published_rank_key
         self._inflight: set[_QuorumRound] = set()
         self._tasks: set[asyncio.Task] = set()
 
@@ -537,8 +540,12 @@ class ManagerServer(InProcessCalls):
         return why
 
     async def _claim(self, context: grpc.aio.ServicerContext, rank: int, what: str) -> None:
-        """PERMISSION_DENIED unless the caller may speak for ``rank`` (nothing changes)."""
-        why = self._bind_rank(rank, _header(context, RANK_KEY_HEADER), context.peer())
+        """PERMISSION_DENIED unless the caller (its rank key) may speak for ``rank``; binds a
+        first key the group's store confirms (when the server can read it). Nothing else changes."""
+        key, why = _header(context, RANK_KEY_HEADER), None
+        if self._published_key is not None and key is not None and rank not in self._rank_keys and self._loop:
+            why = confirm_rank(await self._loop.run_in_executor(self._pool, self._published_key, rank), rank, key)
+        why = why or self._bind_rank(rank, key, context.peer())
         if why is not None:
             log.warning("[%s] refused %s for group rank %d from %s: %s", self.replica_id, what, rank, context.peer(), why)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"replica {self.replica_id}: {why}")
