@@ -43,6 +43,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train_ddp.py"
+INSTRUMENTED = HERE / "demo" / "instrumented.py"
 WAIT_S = 60.0  # bound of every phase's wait
 STOP_S = 20.0  # SIGTERM to a process at the end, then this long before SIGKILL
 PROGRESS_RE = re.compile(r"g(\d+)\.r(\d+)\.i(\d+)\.jsonl$")
@@ -199,13 +200,14 @@ class Demo:
         self.say(f"lighthouse up: gRPC {self.lh}, dashboard {self.http}, --min-replicas {min_replicas}")
 
     def run_command(self, g: Group) -> list[str]:
-        progress = self.dir / "g{group}.r{rank}.i{restart}.jsonl"  # filled in by each rank (examples/_common.py)
+        progress = self.dir / "g{group}.r{rank}.i{restart}.jsonl"  # filled in by each rank (demo/instrumented.py)
+        # The example runs under demo/instrumented.py, which records each step and stops it at the stop file.
         return [sys.executable, "-m", "rallypoint", "--log-level", "INFO", "run",
                 "--nproc-per-node", str(g.ranks), "--replica-group-id", str(g.gid), "--lighthouse", self.lh,
-                *(["--no-standby"] if self.args.cold_restart else []), str(TRAIN), "--steps", "100000", "--sleep", str(self.args.sleep), "--batch-size", "32",
-                "--progress", str(progress), "--stop-file", str(self.stop_file),
-                "--timeout", "10",
-                "--log-level", "INFO"]
+                *(["--no-standby"] if self.args.cold_restart else []),
+                str(INSTRUMENTED), "--progress", str(progress), "--stop-file", str(self.stop_file),
+                str(TRAIN), "--steps", "100000", "--sleep", str(self.args.sleep), "--batch-size", "32",
+                "--timeout", "10", "--log-level", "INFO"]
 
     def start_group(self, g: Group) -> None:
         env = dict(os.environ, NUM_REPLICA_GROUPS=str(len(self.groups)), TORCH_CPP_LOG_LEVEL="ERROR",
