@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,24 +13,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TIMEOUT_S = 240
-
-
-def _load_common():
-    spec = importlib.util.spec_from_file_location("examples_common_for_test", REPO / "examples" / "_common.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_progress_path_placeholders() -> None:
-    common = _load_common()
-    env = {"RANK": "1", "REPLICA_GROUP_ID": "2", "TORCHELASTIC_RESTART_COUNT": "3"}
-    assert common.expand_placeholders("/d/g{group}.r{rank}.i{restart}.jsonl", env) == "/d/g2.r1.i3.jsonl"
-    assert common.expand_placeholders("/d/p.{rank}.{rank}", {}) == "/d/p.0.0"  # unset: 0, every occurrence
-    assert common.expand_placeholders("/d/plain.jsonl", env) == "/d/plain.jsonl"  # no placeholder: as it was
-    assert common.expand_placeholders("/d/{other}{}.jsonl", env) == "/d/{other}{}.jsonl"  # other braces kept
 
 
 def _running(pid: int) -> bool:

@@ -1,5 +1,6 @@
-"""examples/train_hsdp.py as a user runs it without torchrun: two replica groups, each
-started with ``--local-ranks 2`` (the example launches its own two rank processes)."""
+"""examples/train_hsdp.py as a user runs it: two replica groups, each one ``rallypoint run
+--nproc-per-node 2`` (followed through ``examples/demo/instrumented.py``). Rank r of both
+groups ends holding the same shard; one group healed from the other at the start."""
 
 from __future__ import annotations
 
@@ -10,20 +11,24 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+CLEAN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "REPLICA_GROUP_ID",
+         "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
 
 
 def test_train_hsdp_two_groups_of_two_ranks(lighthouse, tmp_path: Path) -> None:
     lh = lighthouse(min_replicas=2, join_timeout_ms=5000)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in CLEAN}
     env.update(RALLYPOINT_LIGHTHOUSE=lh.address(), NUM_REPLICA_GROUPS="2", PYTHONUNBUFFERED="1")
-    progress = {g: tmp_path / f"progress{g}.jsonl" for g in (0, 1)}
+    progress = tmp_path / "g{group}.r{rank}.jsonl"
     procs = {}
     try:
         for g in (0, 1):
             procs[g] = subprocess.Popen(
-                [sys.executable, str(REPO / "examples" / "train_hsdp.py"), "--local-ranks", "2", "--steps", "5",
-                 "--min-replicas", "2", "--progress", str(progress[g]), "--max-seconds", "90"],
-                env=dict(env, REPLICA_GROUP_ID=str(g)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "2", "--replica-group-id", str(g),
+                 "--max-restarts", "0", str(REPO / "examples" / "demo" / "instrumented.py"),
+                 "--progress", str(progress), "--max-seconds", "90",
+                 str(REPO / "examples" / "train_hsdp.py"), "--steps", "5", "--min-replicas", "2"],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
         outs = {g: p.communicate(timeout=150)[0] for g, p in procs.items()}
     finally:
@@ -36,11 +41,9 @@ def test_train_hsdp_two_groups_of_two_ranks(lighthouse, tmp_path: Path) -> None:
         assert f"group {g}: stopped at step 5" in outs[g], outs[g][-4000:]
     exits = {}
     for g in (0, 1):
-        rows = [json.loads(line) for line in progress[g].read_text().splitlines() if line.strip()]
-        for row in rows:
-            if row["event"] == "exit":
-                exits[(g, row["rank"])] = row
-    assert sorted(exits) == [(0, 0), (0, 1), (1, 0), (1, 1)], exits
+        for r in (0, 1):
+            rows = [json.loads(line) for line in (tmp_path / f"g{g}.r{r}.jsonl").read_text().splitlines()]
+            exits[(g, r)] = [row for row in rows if row["event"] == "exit"][-1]
     assert all(e["step"] == 5 and e["rc"] == 0 for e in exits.values()), exits
     for r in (0, 1):  # rank r of both groups holds the same shard
         assert exits[(0, r)]["sha256"] == exits[(1, r)]["sha256"], exits
