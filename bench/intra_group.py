@@ -12,9 +12,9 @@ on different data per rank, in the same processes, in alternating blocks of step
 - ``cross_first``: the other two-level order: DDP over a dummy group; the hook posts the
   manager's cross-group average first and a helper thread then sums inside the group
   (a separate process group, so DDP's own collectives cannot interleave) and divides.
-- ``helper``: what ``examples/train_ddp.py`` did before: the wrapper averages across
-  groups only, then one flat ``all_reduce`` of every gradient inside the group after
-  ``backward()`` (no overlap with backward).
+- ``helper``: a hand-written in-group average: the wrapper averages across groups only,
+  then one flat ``all_reduce`` of every gradient inside the group after ``backward()``
+  (no overlap with backward).
 - ``plain_ddp``: torch's DDP over all four ranks (one gloo group spanning both replica
   groups, no manager, no fault tolerance): the floor.
 
