@@ -190,7 +190,7 @@ def test_striped_receive_survives_a_source_dying(transports: Callable[..., HTTPT
     """A source that breaks every range it serves is dropped after its retries; the
     other one serves the rest; the receiver gets the whole state and the log names the
     dropped source."""
-    good = transports(copy_below=0, **SMALL_BLOCKS)
+    good = transports(Faulty, mode="slow", copy_below=0, **SMALL_BLOCKS)  # slow: the bad one is surely asked
     bad = transports(Faulty, mode="truncate", faults=10**6, **SMALL_BLOCKS)
     order = [bad, good] if which == "first" else [good, bad]
     sd = make_state(22)
