@@ -157,7 +157,7 @@ def test_parse_helpers() -> None:
 
 
 def test_rank_env_on_node_1_of_2() -> None:
-    spec = GroupSpec(nproc=2, master_addr="10.0.0.1", master_port=29500, group_id="3", nnodes=2, group_rank=1,
+    spec = GroupSpec(nproc=2, master_addr="10.0.0.1", master_port=5000, group_id="3", nnodes=2, group_rank=1,
                      run_id="rallypoint-3")
     env = rank_env({}, spec, rank=1, incarnation=4)
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
@@ -165,7 +165,7 @@ def test_rank_env_on_node_1_of_2() -> None:
                                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")} == {
         "RANK": "3", "LOCAL_RANK": "1", "ROLE_RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
         "ROLE_WORLD_SIZE": "4", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1",
-        "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "4", "TORCHELASTIC_RUN_ID": "rallypoint-3",
+        "MASTER_PORT": "5000", "TORCHELASTIC_RESTART_COUNT": "4", "TORCHELASTIC_RUN_ID": "rallypoint-3",
     }  # fmt: skip
 
 

@@ -115,6 +115,15 @@ class TlsConfig:
         return "https" if self.serving else "http"
 
 
+def setting(value: str | None, env: Mapping[str, str], name: str, flag: str) -> tuple[str | None, str]:
+    """A file setting given as a flag (``value``, when not None; empty means unset) or else
+    by the environment variable ``name``, and how to name its source in an error message."""
+    if value is not None:
+        return (value or None), flag
+    raw = env.get(name)
+    return (raw or None), (name if raw else f"{flag} ({name})")
+
+
 def tls_config(
     cert: str | None = None,
     key: str | None = None,
@@ -129,10 +138,7 @@ def tls_config(
     env = os.environ if environ is None else environ
 
     def pick(value: str | None, name: str, flag: str) -> tuple[str | None, str]:
-        if value is not None:
-            return (value or None), flag
-        raw = env.get(name)
-        return (raw or None), (name if raw else f"{flag} ({name})")
+        return setting(value, env, name, flag)
 
     cert_p, cert_src = pick(cert, CERT_ENV, "--tls-cert")
     key_p, key_src = pick(key, KEY_ENV, "--tls-key")
@@ -254,5 +260,5 @@ def aio_channel(target: str, address: str, cfg: TlsConfig, options: Sequence[tup
 __all__ = [
     "CA_ENV", "CERT_ENV", "CLIENT_CA_ENV", "KEY_ENV", "MAX_PEM_BYTES", "REQUIRE_ENV", "TlsConfig", "TlsError",
     "add_port", "aio_channel", "channel", "channel_credentials", "check_server", "client_ssl_context",
-    "parse_bool", "server_ssl_context", "tls_config", "uvicorn_ssl_kwargs",
+    "parse_bool", "server_ssl_context", "setting", "tls_config", "uvicorn_ssl_kwargs",
 ]

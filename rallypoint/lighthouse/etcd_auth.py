@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint._net.addr import is_loopback
-from rallypoint._net.tls import REQUIRE_ENV, _read_pem
+from rallypoint._net.tls import REQUIRE_ENV, _read_pem, setting
 
 log = logging.getLogger("rallypoint.lighthouse.etcd")
 
@@ -93,10 +93,7 @@ def etcd_security(ca: str | None = None, cert: str | None = None, key: str | Non
     env = os.environ if environ is None else environ
 
     def pick(value: str | None, name: str, flag: str) -> tuple[str | None, str]:
-        if value is not None:
-            return (value or None), flag
-        raw = env.get(name)
-        return (raw or None), (name if raw else f"{flag} ({name})")
+        return setting(value, env, name, flag)
 
     ca_p, ca_src = pick(ca, CA_ENV, "--etcd-ca")
     cert_p, cert_src = pick(cert, CERT_ENV, "--etcd-cert")

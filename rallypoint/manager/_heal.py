@@ -10,6 +10,23 @@ it themselves (``copies_state``): HTTP serves the live tensors and freezes them 
 they change (``rallypoint.transports._live``; the Manager's ``should_commit`` and any
 optimizer step do), the process group finishes before returning. Another transport is
 given a copy (:func:`materialise`).
+
+How this stays out of the training step (the ``Manager``'s side):
+
+Healing never writes user state while forward/backward may read it. A replica that is
+behind receives the state of an up-to-date peer through the checkpoint transport on the
+quorum thread and applies it in :meth:`should_commit` (or :meth:`wait_quorum`, or
+:meth:`start_quorum` when the quorum is synchronous). A sender serves its state as soon as
+its quorum arrives (``state_dict()`` callbacks run on the quorum thread, as in torchft),
+live, without a copy (forward and backward change neither parameters nor optimizer state),
+and frozen in :meth:`should_commit` before the optimizer may change it: what the peer has
+not received yet is copied then and served from the copy (``rallypoint.transports._live``).
+
+``heal_on_training_thread=True`` (for FSDP2, whose state must not be read while forward
+reshards it: torchtitan#4754) moves both sides into :meth:`should_commit` (before the vote;
+:meth:`start_quorum` when the quorum is synchronous) on the training thread: the sender
+serves its state (frozen right after the vote); the receiver fetches into its
+current state (DTensors rebuilt on its own mesh) and applies it.
 """
 
 from __future__ import annotations

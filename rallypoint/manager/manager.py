@@ -14,20 +14,8 @@ communication error also aborts the process group, so peers blocked in the same
 collective fail at once instead of waiting for their timeout; so does the lighthouse's
 notice that a member of the quorum died (relayed to every rank of the group).
 
-Healing never writes user state while forward/backward may read it. A replica that is
-behind receives the state of an up-to-date peer through the checkpoint transport on the
-quorum thread and applies it in :meth:`should_commit` (or :meth:`wait_quorum`, or
-:meth:`start_quorum` when the quorum is synchronous). A sender serves its state as soon as
-its quorum arrives (``state_dict()`` callbacks run on the quorum thread, as in torchft),
-live, without a copy (forward and backward change neither parameters nor optimizer state),
-and frozen in :meth:`should_commit` before the optimizer may change it: what the peer has
-not received yet is copied then and served from the copy (``rallypoint.transports._live``).
-
-``heal_on_training_thread=True`` (for FSDP2, whose state must not be read while forward
-reshards it: torchtitan#4754) moves both sides into :meth:`should_commit` (before the vote;
-:meth:`start_quorum` when the quorum is synchronous) on the training thread: the sender
-serves its state (frozen right after the vote); the receiver fetches into its
-current state (DTensors rebuilt on its own mesh) and applies it.
+Healing never writes user state while forward/backward may read it: how the sender serves
+and the receiver applies, on which thread, is described in ``_heal.py``.
 
 Each round leaves a :class:`StepRecord` (:meth:`step_records`: quorum, time split, outcome),
 whose step stats go to the lighthouse with the next quorum request. Guards: corruption
@@ -72,7 +60,6 @@ from rallypoint.process_groups.protocols import ReconfigurableProcessGroup
 from rallypoint.transports.base import CheckpointTransportLike
 
 T = TypeVar("T")
-
 log = logging.getLogger("rallypoint.manager")
 
 

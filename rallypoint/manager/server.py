@@ -28,7 +28,6 @@ The decisions themselves are pure functions in :mod:`rallypoint.manager.rules`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import concurrent.futures as cf
 import functools
@@ -37,7 +36,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -57,57 +55,20 @@ from rallypoint.manager.client import stripe_metadata
 from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
 from rallypoint.manager import rules
 from rallypoint._net.inject import INJECT_KEY, parse_injections
-from rallypoint._net.lease import Grant, parse_lease
+from rallypoint._net.lease import parse_lease
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint.manager._lease import LeaseHolder, StatsBatch
 from rallypoint.manager._inprocess import InProcessCalls, _Failure
-from rallypoint.manager._votes import (RANK_KEY_HEADER, CommitVotes, claim_rank, confirm_rank, new_future,
+from rallypoint.manager._votes import (RANK_KEY_HEADER, CommitVotes, claim_rank, confirm_rank,
                                        new_rank_key)
+
+from rallypoint.manager._server_parts import (QuorumRound as _QuorumRound, default_kill as _default_kill,
+                                             discard as _discard, header as _header, raw as _raw)
 
 log = logging.getLogger("rallypoint.manager")
 
 # Used when a Quorum request carries no deadline and no quorum_timeout was given.
 DEFAULT_QUORUM_TIMEOUT_S = 60.0
-
-
-def _raw(payload: Any) -> bytes:
-    return payload if isinstance(payload, bytes) else payload.SerializeToString()
-
-
-def _discard(held: set[Any], item: Any, _task: object) -> None:
-    held.discard(item)
-
-
-def _header(context: grpc.aio.ServicerContext, key: str) -> str | None:
-    """The (last) value of the caller's invocation metadata ``key``, or None."""
-    value = None
-    for k, v in context.invocation_metadata() or ():
-        if k == key:
-            value = v if isinstance(v, str) else v.decode("utf-8", "replace")
-    return value
-
-
-@dataclass(eq=False)
-class _QuorumRound:
-    """The group's pending Quorum requests for one step."""
-
-    step: int
-    first_at: float
-    requests: dict[int, pb.ManagerQuorumRequest] = field(default_factory=dict)
-    deadlines: dict[int, float | None] = field(default_factory=dict)
-    stats: dict[int, dict[str, Any] | None] = field(default_factory=dict)  # checked step stats, per rank
-    result: asyncio.Future = field(default_factory=new_future)
-    fired: bool = False
-    inject: bytes = b""  # checked fault injections the lighthouse handed the group with its answer
-    grant: Grant | None = None  # the lease the lighthouse granted with its answer
-
-
-def _default_kill(msg: str) -> None:
-    for h in logging.getLogger().handlers + log.handlers:
-        with contextlib.suppress(Exception):
-            h.flush()
-    # Let the Kill answer get out before the process goes.
-    threading.Timer(0.2, os._exit, args=(1,)).start()
 
 
 class ManagerServer(InProcessCalls):
