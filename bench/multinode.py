@@ -12,7 +12,9 @@ whose rank is killed, is launched two ways in turn:
   (hosting the c10d rendezvous, port 0 read back) and node 1 on 127.0.0.2, meeting through
   torch elastic's rendezvous (warm standbys on).
 
-Per repeat: wait until group 1's standbys are ready (``--settle`` seconds after its last
+The layouts are interleaved run by run (1 node, 2 nodes, 2 nodes, 1 node, ...: each run
+starts its processes afresh, kills once and stops them), so a slow stretch of this shared
+machine falls on both. Per run: wait until group 1's standbys are ready (``--settle`` seconds after its last
 start: the standbys import torch and rallypoint; the restart event's ``warm_ranks`` says
 whether they were ready, and the table counts them), SIGKILL group 1's rank 1 (on node 1
 in the 2-node layout) at a random point of its step, and measure kill -> the moment every
@@ -25,7 +27,7 @@ Goals (issue "Replica groups that span hosts"): with its standbys ready, a 2-nod
 is back within 0.5 s of the kill, and within 1.5x the single-node figure. Absolute times
 on a shared 2-core machine are noise; the ratio is the figure to read.
 
-    .venv/bin/python bench/multinode.py             # 3 kills per layout
+    .venv/bin/python bench/multinode.py             # 3 runs per layout, interleaved (~3 minutes)
     .venv/bin/python bench/multinode.py --reps 1    # quicker
 """
 
@@ -73,8 +75,9 @@ class Run:
     """The processes of one layout: the supervisors (by pid) and their logs."""
 
     def __init__(self, out: Path, lighthouse: str) -> None:
-        self.out, self.sups, self.env = out, [], {**os.environ, "RALLYPOINT_LIGHTHOUSE": lighthouse,
-                                                   "PYTHONUNBUFFERED": "1"}
+        self.out = out
+        self.sups: list[tuple[subprocess.Popen, Path]] = []
+        self.env = {**os.environ, "RALLYPOINT_LIGHTHOUSE": lighthouse, "PYTHONUNBUFFERED": "1"}
         for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "REPLICA_GROUP_ID"):
             self.env.pop(k, None)
 
@@ -124,7 +127,9 @@ def start_layout(run: Run, layout: str) -> None:
               "--local-addr", ADDRS[1], "--nproc-per-node", "1", *common, addr=ADDRS[1])
 
 
-def measure(layout: str, reps: int, settle: float, lighthouse: str) -> dict[str, Any]:
+def measure(layout: str, reps: int, settle: float, lighthouse: str) -> tuple[list[float], list[dict]]:
+    """``reps`` kills of group 1 in one start of ``layout``: the kill -> all ranks commit
+    times and the supervisors' restart events."""
     with tempfile.TemporaryDirectory(prefix="bench-multinode-") as tmp:
         out = Path(tmp)
         run = Run(out, lighthouse)
@@ -147,27 +152,38 @@ def measure(layout: str, reps: int, settle: float, lighthouse: str) -> dict[str,
                 samples.append(max(f["t"] for f in firsts) - killed)
         finally:
             run.stop()
-        events = run.restarts()
-        warm = sum(1 for e in events if e.get("cause") != "peer" and len(e.get("warm_ranks", [])) == (
-            2 if layout == "1 node" else 1))
-        return {"layout": layout, "samples_s": [round(s, 3) for s in samples],
-                "back_s": round(median(samples), 3) if samples else None,
-                "restart_s": round(median([e["restart_s"] for e in events]), 3) if events else None,
-                "warm_restarts": warm, "kills": len(samples)}
+        return samples, run.restarts()
+
+
+def summary(layout: str, samples: list[float], events: list[dict]) -> dict[str, Any]:
+    """One layout's row: the median time back, the supervisors' median restart_s, how many
+    of the failing node's restarts found its standbys ready."""
+    warm = sum(1 for e in events if e.get("cause") != "peer" and len(e.get("warm_ranks", [])) == (
+        2 if layout == "1 node" else 1))
+    return {"layout": layout, "samples_s": [round(s, 3) for s in samples],
+            "back_s": round(median(samples), 3) if samples else None,
+            "restart_s": round(median([e["restart_s"] for e in events]), 3) if events else None,
+            "warm_restarts": warm, "kills": len(samples)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=3, help="kills per layout (3)")
+    ap.add_argument("--reps", type=int, default=3, help="runs (one kill each) per layout, interleaved (3)")
     ap.add_argument("--settle", type=float, default=8.0, help="seconds after a (re)start before the kill (8)")
     args = ap.parse_args()
     from rallypoint.lighthouse.server import LighthouseServer
 
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=1000)
     try:
-        results = [measure(layout, args.reps, args.settle, lh.address()) for layout in ("1 node", "2 nodes")]
+        got: dict[str, tuple[list[float], list[dict]]] = {"1 node": ([], []), "2 nodes": ([], [])}
+        for i in range(args.reps):
+            for layout in (("1 node", "2 nodes") if i % 2 == 0 else ("2 nodes", "1 node")):
+                samples, events = measure(layout, 1, args.settle, lh.address())
+                got[layout][0].extend(samples)
+                got[layout][1].extend(events)
     finally:
         lh.shutdown(timeout=10)
+    results = [summary(layout, *got[layout]) for layout in ("1 node", "2 nodes")]
     one, two = results
     rows = [[r["layout"], str(r["kills"]), f"{r['warm_restarts']}/{r['kills']}", f"{r['back_s']}", f"{r['restart_s']}",
              " ".join(map(str, r["samples_s"]))] for r in results]
