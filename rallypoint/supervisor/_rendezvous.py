@@ -88,9 +88,15 @@ def hosts_endpoint(cfg: RdzvConfig) -> bool:
     return host == cfg.local_addr or bool(_addresses(host) & _addresses(cfg.local_addr))
 
 
+_JOINED = threading.Event()  # this process has been through a round: no more start-up skew
+
+
 def _shorten_sync_poll(interval: float) -> None:
     """torch's join loop sleeps ``_delay(seconds=1)`` between polls of the shared state;
-    make that ``interval`` (the first round's random skew, a tuple, stays as it is)."""
+    make that ``interval``. Its random skew of up to 0.3 s (a tuple) before a join while the
+    state is still in round 0 spreads the nodes' first attempts; it stays for the first
+    join, but not for the restart after it (the state is still in round 0 then too, and
+    every node would wait up to 0.3 s more)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
     original = getattr(dr, "_rallypoint_original_delay", None) or getattr(dr, "_delay", None)
@@ -98,6 +104,8 @@ def _shorten_sync_poll(interval: float) -> None:
         return
 
     def delay(seconds: float | tuple[float, float]) -> None:
+        if isinstance(seconds, tuple) and _JOINED.is_set():
+            return
         original(interval if seconds == 1 else seconds)
 
     dr._rallypoint_original_delay = original  # type: ignore[attr-defined]
@@ -222,6 +230,7 @@ class NodeRendezvous:
                 plan = plan_round(infos, me)
                 with self._lock:
                     self._round_store, self._plan = store, plan
+                _JOINED.set()
                 self._post("round", plan)
                 return
         except NodeError as e:
