@@ -54,7 +54,8 @@ EXCHANGE_TIMEOUT_S = 60.0  # the longest wait for the other nodes' facts once a 
 ANNOUNCE_S = 0.25  # how often a waiting node beats its announcement and reads the others'
 ANNOUNCE_LIVE_S = 3.0  # an announcement whose beat has not changed for this long is a gone node's
 ANNOUNCE_MAX = 256  # announcements read at most (the slots a run id ever handed out)
-EXIT_BARRIER_S = 60.0  # how long the rendezvous host waits for the other nodes to finish
+EXIT_BARRIER_S = 60.0
+KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = "1", "5"  # torch's heartbeat, and how many missed make a node lost  # how long the rendezvous host waits for the other nodes to finish
 PREFIX = "rallypoint/"
 
 
@@ -143,8 +144,8 @@ class NodeRendezvous:
         conf = {k: v for k, v in cfg.conf.items() if k != "sync_interval"}
         conf.setdefault("join_timeout", str(max(1, math.ceil(cfg.timeout_s))))
         conf.setdefault("last_call_timeout", "1")  # unused: min_nodes == max_nodes completes at once
-        conf.setdefault("keep_alive_interval", "1")
-        conf.setdefault("keep_alive_max_attempt", "5")
+        conf.setdefault("keep_alive_interval", KEEP_ALIVE_S)
+        conf.setdefault("keep_alive_max_attempt", KEEP_ALIVE_ATTEMPTS)
         _shorten_sync_poll(float(cfg.conf.get("sync_interval", "0.02")))
         params = RendezvousParameters(backend=cfg.backend, endpoint=cfg.endpoint, run_id=cfg.run_id,
                                       min_nodes=cfg.nnodes, max_nodes=cfg.nnodes, local_addr=cfg.local_addr, **conf)
@@ -242,7 +243,7 @@ class NodeRendezvous:
                        "or gave up (see its log); start every node again to run the group again")
             else:
                 detail = str(e).splitlines()[0][:300] if str(e).strip() else ""
-                msg = give_up_message(what, self.cfg.nnodes, None, self.cfg.timeout_s, self.endpoint) + \
+                msg = give_up_message(what, self.cfg.nnodes, self.cfg.timeout_s, self.endpoint) + \
                     (f" ({name}: {detail})" if detail else "")
             self._post("round_error", msg, GAVE_UP_EXIT)
 
@@ -299,7 +300,8 @@ class NodeRendezvous:
 
     def _lost_after_s(self) -> float:
         c = self.cfg.conf
-        return float(c.get("keep_alive_interval", "1")) * float(c.get("keep_alive_max_attempt", "5"))
+        return float(c.get("keep_alive_interval", KEEP_ALIVE_S)) * float(c.get("keep_alive_max_attempt",
+                                                                                  KEEP_ALIVE_ATTEMPTS))
 
     def _watch(self, store: Any, plan: RoundPlan, stop: threading.Event) -> None:
         me, n = plan.group_rank, plan.nnodes

@@ -193,10 +193,9 @@ def split_endpoint(endpoint: str, default_port: int = 29400) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def give_up_message(what: str, nnodes: int, met: int | None, timeout_s: float, endpoint: str) -> str:
+def give_up_message(what: str, nnodes: int, timeout_s: float, endpoint: str) -> str:
     """The one line a supervisor logs when the rendezvous gives up: which flag to look at."""
-    seen = "" if met is None else f" ({met} of {nnodes} node(s) met)"
-    return (f"rallypoint run: gave up: {what} within --rdzv-timeout {timeout_s:g}s{seen} at --rdzv-endpoint "
+    return (f"rallypoint run: gave up: {what} within --rdzv-timeout {timeout_s:g}s at --rdzv-endpoint "
             f"{endpoint}; check that every node of the group was started, with the same --nnodes {nnodes}, "
             "--rdzv-endpoint and --rdzv-id, and that the endpoint's host:port is reachable from every node")
 

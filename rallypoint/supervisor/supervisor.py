@@ -122,7 +122,7 @@ class Supervisor:
         self._stop_signal = 0
         self._streak = 0  # consecutive failed incarnations without progress
         self._reports_seen = False  # has any incarnation reported a committed step?
-        self._name = "replica group" + (f" {cfg.group_id}" if cfg.group_id is not None else "")
+        self._name = self._group_name = "replica group" + (f" {cfg.group_id}" if cfg.group_id is not None else "")
         self._rdzv: NodeRendezvous | None = None
         self._node = cfg.node_rank  # this node's rank in the group (multi-node; -1 until a round says)
         if cfg.multinode:
@@ -280,7 +280,7 @@ class Supervisor:
                 if ev[0] == "round":
                     plan: RoundPlan = ev[1]
                     self._node = plan.group_rank
-                    self._name = self._name.split(" (node ")[0] + f" (node {plan.group_rank} of {plan.nnodes})"
+                    self._name = f"{self._group_name} (node {plan.group_rank} of {plan.nnodes})"
                     self._spec = dataclasses.replace(self._spec, master_addr=plan.master_addr,
                                                      master_port=plan.master_port, group_rank=plan.group_rank)
                     log.info("%s: the group's nodes met: incarnation %d, ranks %d..%d of %d, store %s:%d",
