@@ -201,24 +201,17 @@ def test_mixed_quorum_torchft_02_nightly_and_ours(our_lighthouse: Callable[..., 
         assert got_tf02[r].replica_rank == 2
 
 
-@needs_nightly
-def test_our_managers_against_the_nightly_lighthouse() -> None:
+@pytest.fixture
+def nightly_lighthouse() -> Iterator[str]:
+    """torchft-nightly's LighthouseServer (min_replicas=2) in a subprocess; yields its address."""
     proc = subprocess.Popen([sys.executable, str(PEER), str(NIGHTLY), "lighthouse", "2"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    groups: list[Ours] = []
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # the peer prints its address at once (or dies: EOF)
         assert line, "nightly lighthouse did not start"
-        addr = json.loads(line)["address"]
-        groups = [Ours(addr, rid, 2) for rid in ("y", "x")]
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            futs = {(g.server.replica_id, r): pool.submit(g.ask, r, 1, handle(f"{g.server.replica_id}{r}"))
-                    for g in groups for r in range(2)}
-            got = {k: f.result(JOIN_S + 5) for k, f in futs.items()}
+        yield json.loads(line)["address"]
     finally:
-        for g in groups:
-            g.close()
         if proc.stdin is not None:
             proc.stdin.close()
         try:
@@ -226,7 +219,47 @@ def test_our_managers_against_the_nightly_lighthouse() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@needs_nightly
+def test_our_managers_against_the_nightly_lighthouse(nightly_lighthouse: str) -> None:
+    groups = [Ours(nightly_lighthouse, rid, 2) for rid in ("y", "x")]
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futs = {(g.server.replica_id, r): pool.submit(g.ask, r, 1, handle(f"{g.server.replica_id}{r}"))
+                    for g in groups for r in range(2)}
+            got = {k: f.result(JOIN_S + 5) for k, f in futs.items()}
+    finally:
+        for g in groups:
+            g.close()
     for (rid, r), res in got.items():
         assert res.replica_ids == ["x", "y"]
         assert res.reconfigure_handles == [handle(f"x{r}"), handle(f"y{r}")]
         assert res.reconfigure_handles.index(handle(f"{rid}{r}")) == res.replica_rank
+
+
+@needs_nightly
+def test_raw_wire_every_member_field_round_trips_through_the_nightly_lighthouse(nightly_lighthouse: str) -> None:
+    """Our stubs, sent with plain grpc to torchft-nightly's lighthouse, come back field for
+    field: field 9 (reconfigure_handles) has the number and type torchft 0.3 gives it."""
+    import grpc
+    from google.protobuf.unknown_fields import UnknownFieldSet
+
+    from rallypoint._proto import torchft_pb2 as pb
+
+    members = [pb.QuorumMember(replica_id=f"wire-{i}", address=f"http://wire{i}:1", store_address=f"wire{i}:2",
+                               step=12, world_size=2, shrink_only=False, data=json.dumps({"i": i}),
+                               commit_failures=1, reconfigure_handles=[handle(f"w{i}0"), handle(f"w{i}1")])
+               for i in range(2)]
+    assert len(members[0].ListFields()) == len(pb.QuorumMember.DESCRIPTOR.fields) - 1  # all but shrink_only=False
+    with grpc.insecure_channel(nightly_lighthouse.removeprefix("http://")) as channel:
+        grpc.channel_ready_future(channel).result(timeout=10)
+        call = channel.unary_unary("/torchft.LighthouseService/Quorum",
+                                   request_serializer=pb.LighthouseQuorumRequest.SerializeToString,
+                                   response_deserializer=pb.LighthouseQuorumResponse.FromString)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            resps = list(pool.map(lambda m: call(pb.LighthouseQuorumRequest(requester=m), timeout=JOIN_S), members))
+    for resp in resps:
+        assert list(resp.quorum.participants) == members
+        for msg in (resp, resp.quorum, *resp.quorum.participants):
+            assert len(UnknownFieldSet(msg)) == 0, type(msg).__name__
