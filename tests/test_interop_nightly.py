@@ -173,9 +173,8 @@ def test_mixed_quorum_torchft_02_nightly_and_ours(our_lighthouse: Callable[..., 
         try:
             with ThreadPoolExecutor(max_workers=4) as pool:
                 mine = [pool.submit(ours.ask, r, 1, handle(f"a{r}")) for r in range(2)]
-                theirs = [pool.submit(lambda c=c, r=r: c._quorum(group_rank=r, step=1, checkpoint_metadata="",
-                                                                  shrink_only=False, timeout=timedelta(seconds=JOIN_S),
-                                                                  commit_failures=0, init_sync=True))
+                theirs = [pool.submit(c._quorum, group_rank=r, step=1, checkpoint_metadata="", shrink_only=False,
+                                      timeout=timedelta(seconds=JOIN_S), commit_failures=0, init_sync=True)
                           for r, c in enumerate(tf02_clients)]
                 got_ours = [f.result(JOIN_S + 5) for f in mine]
                 got_tf02 = [f.result(JOIN_S + 5) for f in theirs]
