@@ -49,7 +49,12 @@ def handle(i: Any, store: str = "h:1") -> str:
     ("{}", None),
     (handle(1), None),
     ('{"id": "x", "nested": {"a": [1, 2]}}', None),
+    ("gloo:0:-1:0:127.0.0.1:34275", None),  # torch 2.14's native ProcessGroupGloo handle
+    ("nccl2:0:3:1:[::1]:29500", None),
     ("self", "reconfigure_handle is not JSON"),
+    ("gloo: 0", "reconfigure_handle is not JSON"),  # a space: not torch's form
+    ("gloo:", "reconfigure_handle is not JSON"),
+    ("9p:x", "reconfigure_handle is not JSON"),
     ('{"id": ', "reconfigure_handle is not JSON"),
     ("[1, 2]", "reconfigure_handle is JSON but not an object"),
     ('"pg-1"', "reconfigure_handle is JSON but not an object"),

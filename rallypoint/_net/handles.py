@@ -13,8 +13,11 @@ itself from that list, its rank being the index of its own handle.
 The rules, one table for the lighthouse and the managers (``ValueError`` naming the field;
 the servers answer INVALID_ARGUMENT and change nothing):
 
-* a handle is ``''`` (the rank has no reconfigurable process group) or a JSON object of at
-  most ``MAX_RECONFIGURE_HANDLE_BYTES`` (4 KiB);
+* a handle is ``''`` (the rank has no reconfigurable process group), a JSON object (torchft's
+  and rallypoint's process groups) or torch's native form ``backend:...`` (torch >= 2.14's
+  ``ProcessGroup.get_reconfigure_handle()``, e.g. ``gloo:0:-1:0:10.0.0.5:34275``: a backend
+  name, a colon, then printable ASCII without spaces), of at most
+  ``MAX_RECONFIGURE_HANDLE_BYTES`` (4 KiB);
 * a member sends no handles at all (torchft 0.2 and rallypoint's own process groups), or
   exactly one per group rank, ``''`` for a rank without one, as torchft-nightly's
   ManagerServer does: a list of another length is refused, since the answer to a group
@@ -28,24 +31,31 @@ the servers answer INVALID_ARGUMENT and change nothing):
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from rallypoint._net.limits import MAX_GROUP_HANDLES, MAX_GROUP_HANDLES_BYTES, MAX_RECONFIGURE_HANDLE_BYTES, utf8_len
 
 
+#: torch's native handle: a backend name, a colon, printable ASCII without spaces.
+_NATIVE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}:[!-~]+")
+
+
 def check_handle(value: str, field: str = "reconfigure_handle") -> str:
-    """``value`` if it is ``''`` or a JSON object of at most 4 KiB; else ``ValueError``
-    naming ``field``."""
+    """``value`` if it is ``''``, a JSON object or torch's native ``backend:...`` handle, of
+    at most 4 KiB; else ``ValueError`` naming ``field``."""
     if not value:
         return value
     size = utf8_len(value)
     if size > MAX_RECONFIGURE_HANDLE_BYTES:
         raise ValueError(f"{field} is {size} bytes; the limit is {MAX_RECONFIGURE_HANDLE_BYTES}")
+    if not value.startswith("{") and _NATIVE.fullmatch(value):
+        return value
     try:
         doc = json.loads(value)
     except (ValueError, RecursionError):  # RecursionError: nested too deeply
         raise ValueError(f"{field} is not JSON: {value[:80]!r}; a reconfigure handle is a JSON object "
-                         "(ProcessGroup.get_reconfigure_handle()) or '' for none") from None
+                         "or torch's native 'backend:...' (ProcessGroup.get_reconfigure_handle()), or '' for none") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{field} is JSON but not an object: {value[:80]!r}")
     return value
