@@ -21,10 +21,11 @@ The rules (docs/design.md, "The lighthouse"):
    ``View.expected`` says, if later); then form.
 5. Members are sorted by replica_id; ``quorum_id`` increases when the member list
    changes or a member reports ``commit_failures > 0``, and after a lease was revoked
-   (``View.fresh_id``; ``leases.py``); and when a member's reconfigure handles (torchft
-   0.3) differ from those it had in the previous quorum: a new handle is a new process
-   group, which every member must rebuild with (torchft's Manager reconfigures only on a
-   new quorum id).
+   (``View.fresh_id``; ``leases.py``). Reconfigure handles (torchft 0.3) are carried, not
+   compared, as torchft's lighthouse does: torch's native handle embeds the communicator
+   id, so it changes at every reconfigure and comparing would reconfigure every step; a
+   group that rebuilt its process group (a restart) is already a membership change, a
+   commit failure or a revoked lease.
 
 Exclusion (``View.excluded``, set by the straggler policy ``--stragglers evict``,
 :mod:`rallypoint.lighthouse.stragglers`): until its cool-down ends, an excluded replica
@@ -184,16 +185,12 @@ def healthy_replicas(now: float, view: View, options: Options) -> set[str]:
 
 
 def next_quorum_id(previous: Quorum | None, quorum_id: int, members: tuple[Member, ...], fresh: bool = False) -> int:
-    """Rule 5: a new id when membership changed, anyone reports commit failures or changed
-    its reconfigure handles, and (``fresh``) after a lease was revoked."""
+    """Rule 5: a new id when membership changed or anyone reports commit failures, and
+    (``fresh``) after a lease was revoked. Reconfigure handles do not count (module docstring)."""
     if fresh or previous is None or previous.replica_ids != tuple(m.replica_id for m in members):
         return quorum_id + 1
     if any(m.commit_failures > 0 for m in members):
         return quorum_id + 1
-    if any(m.reconfigure_handles for m in members) or any(m.reconfigure_handles for m in previous.members):
-        before = {m.replica_id: m.reconfigure_handles for m in previous.members}
-        if any(before.get(m.replica_id, ()) != m.reconfigure_handles for m in members):
-            return quorum_id + 1
     return quorum_id
 
 
