@@ -61,7 +61,9 @@ class _Plain:
         store = dist.PrefixStore(prefix, dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                                       timeout=self.timeout))
         if self.backend == "nccl":
-            self.b = dist.ProcessGroupNCCL(store, rank, world_size)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.b = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         else:
             self.b = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
 

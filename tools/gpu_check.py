@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     wheel_error = install_wheels(python, Path(args.wheels), site)
     env = base_env(str(site))
     machine = probe(python, env, full=True, dry_run=args.cpu_dry_run)
-    p = plan(machine.get("gpus", 0), tests, bool(machine.get("torchft")))
+    gpus = 1 if args.cpu_dry_run and not machine.get("gpus") else int(machine.get("gpus", 0))  # bench: --device cpu
+    p = plan(gpus, tests, bool(machine.get("torchft")))
     if args.plan:
         print(json.dumps({"machine": machine, "plan": p}, indent=1))
         return 0
