@@ -358,11 +358,16 @@ def install_wheels(python: str, wheels_dir: Path, site: Path) -> str | None:
     return None if cp.returncode == 0 else f"pip install of {wheels_dir}/*.whl failed: {cp.stderr[-800:]}"
 
 
+def download_command(dest: Path, py_version: str) -> list[str]:
+    """The ``pip download`` of :data:`WHEELS` for a GPU image's Python (pure)."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", py_version,
+            "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest), *WHEELS]
+
+
 def download_wheels(dest: Path, py_version: str) -> int:
     """``make gpu-wheels``: :data:`WHEELS` for a GPU image's Python, into ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", py_version,
-           "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest), *WHEELS]
+    cmd = download_command(dest, py_version)
     print(" ".join(cmd), flush=True)
     return subprocess.run(cmd).returncode
 
