@@ -244,6 +244,16 @@ def _pg_transport(contender: str, pg: Any, timeout: T, dev: Any, template: Any =
     return TorchftPG(pg, timeout, dev, state_dict=(lambda: template) if template is not None else None)
 
 
+def _loopback(url: str) -> str:
+    """``url`` with its host replaced by 127.0.0.1: torchft advertises this machine's host
+    name, which a machine without DNS for itself may not resolve (both sides are here)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"127.0.0.1{port}"))
+
+
 def _serve(conn: Any, handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
     """Answer commands until ``stop`` (or the parent goes away)."""
     while True:
@@ -304,7 +314,7 @@ def heal_sender(conn: Any, cfg: dict[str, Any]) -> None:
         return {"ok": True}
 
     conn.send({"ready": True, "sum": checksum(sd), "errors": errors,
-               "addrs": {c: t.metadata() for c, t in http.items()}})
+               "addrs": {c: _loopback(t.metadata()) for c, t in http.items()}})
     try:
         _serve(conn, {"serve": serve, "pg_setup": pg_setup, "pg_send": pg_send})
     finally:
@@ -345,7 +355,7 @@ def heal_receiver(conn: Any, cfg: dict[str, Any]) -> None:
 
     def into_template(got: Any) -> None:
         for k, v in got.items():
-            if v is not template[k]:
+            if v is not template[k] and v.data_ptr() != template[k].data_ptr():
                 template[k].copy_(v, non_blocking=True)
 
     def fetch(cmd: dict[str, Any]) -> dict[str, Any]:
