@@ -449,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     if chosen is None and args.cpu_dry_run:
         chosen = next((p for p in probes if p.get("torch")), None)
     if chosen is None:
+        if args.plan:
+            print(json.dumps({"probes": probes, "plan": plan(0, tests, False)}, indent=1))
+            return 0
         msg = no_gpu_message(probes)
         return finish(msg, {"gpu_check": "no_gpu", "probes": probes, "plan": plan(0, tests, False)}, out)
     python = chosen["python"]
