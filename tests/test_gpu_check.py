@@ -263,3 +263,28 @@ def test_cpu_dry_run_goes_through_every_step(tmp_path: Path) -> None:
     text = (tmp_path / "gpu_check.txt").read_text()
     assert "CPU dry run" in text and "tests/test_process_groups_gpu.py" in text and "status: ok" in text
     assert {"bench.json", "junit.xml", "pytest.log", "bench.log"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_a_step_past_its_timeout_is_stopped_with_everything_it_started(tmp_path: Path) -> None:
+    """A hung step (here: a child that started a grandchild and sleeps) is killed as a
+    group, so nothing it left behind keeps running (and holding a GPU)."""
+    log = tmp_path / "log"
+    code = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
+            "print(p.pid, flush=True); time.sleep(60)")
+    with open(log, "w") as f:
+        assert gc._run([sys.executable, "-c", code], dict(__import__("os").environ), f, timeout=3) is None
+    pid = int(log.read_text().split()[0])
+
+    def gone() -> bool:
+        try:
+            state = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return True
+        return "\nState:\tZ" in state
+
+    import time
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(), f"the grandchild {pid} still runs"

@@ -34,6 +34,7 @@ import ast
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -372,18 +373,34 @@ def download_wheels(dest: Path, py_version: str) -> int:
     return subprocess.run(cmd).returncode
 
 
+def _run(cmd: list[str], env: dict[str, str], log: Any, timeout: float) -> int | None:
+    """Run ``cmd`` in its own process group with output to ``log``; its exit code, or None
+    when it ran past ``timeout`` (then the whole group it started is killed, so no rank
+    or child process it left behind keeps the GPU)."""
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(30)
+        return None
+
+
 def run_tests(python: str, env: dict[str, str], files: list[str], out_dir: Path,
               timeout: float) -> tuple[dict[str, FileResult], str | None]:
     junit, log = out_dir / "junit.xml", out_dir / "pytest.log"
     cmd = [python, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
-           f"--junitxml={junit}", "-q", "-rfEs", "--timeout=240", *files]
+           f"--junitxml={junit}", "-q", "-rfEs", "--timeout=120", *files]
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        try:
-            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            return {}, f"pytest ran past {timeout:.0f}s and was stopped (see {log})"
+        rc = _run(cmd, env, f, timeout)
+    if rc is None:
+        res = parse_junit(junit.read_text()) if junit.exists() else {}
+        return res, f"pytest ran past {timeout:.0f}s and was stopped (see {log})"
     if not junit.exists():
         return {}, f"pytest wrote no report (exit {rc}; see {log})"
     res = parse_junit(junit.read_text())
@@ -397,10 +414,9 @@ def run_bench(python: str, env: dict[str, str], out_dir: Path, timeout: float,
     js, log = out_dir / "bench.json", out_dir / "bench.log"
     cmd = [python, str(REPO / "bench/gpu.py"), "--out", str(js), "--timeout", str(max(30.0, timeout / 2 - 15)), *extra]
     with open(log, "w") as f:
-        try:
-            subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return [], None, f"bench/gpu.py ran past {timeout:.0f}s and was stopped (see {log})"
+        rc = _run(cmd, env, f, timeout)
+    if rc is None:
+        return [], None, f"bench/gpu.py ran past {timeout:.0f}s and was stopped (see {log})"
     if not js.exists():
         return [], None, f"bench/gpu.py wrote no result (see {log})"
     doc = json.loads(js.read_text())
