@@ -149,7 +149,8 @@ def allreduce_rank(rank: int, port: int, cfg: dict[str, Any], conn: Any) -> None
             out[impl] = {"error": f"first allreduce: {_err(e)}"}
             groups.pop(impl)
     for label, nbytes in cfg["sizes"].items():
-        tensors = {impl: torch.ones(nbytes // 4, device=dev) for impl in groups}
+        # zeros: repeated SUMs of ones would overflow to inf (harmless, but not tidy)
+        tensors = {impl: torch.zeros(nbytes // 4, device=dev) for impl in groups}
         for impl in list(groups):
             try:
                 for _ in range(2):
