@@ -7,7 +7,8 @@ Sections (:func:`plan` says which run with how many GPUs):
   ``ProcessGroupNCCL`` and ``ProcessGroupBabyNCCL``, torchft's two; one rank process
   per GPU, each op timed as allreduce + wait + ``cuda.synchronize`` at 4 KB, 1 MB and
   64 MB, implementations interleaved round by round, medians. NCCL refuses two ranks on
-  one device ("Duplicate GPU detected"), so with one GPU the world size is 1: the
+  one device (``ncclInvalidUsage: Duplicate GPU detected``; pytorch/pytorch#68666), so
+  with one GPU the world size is 1: the
   numbers are then each implementation's per-op overhead over a one-rank NCCL
   communicator, not network bandwidth; with 2 GPUs it is a real 2-rank allreduce.
 - **heal**: 1 GB of CUDA tensors (4 MiB float32 each) sent by one process and received
