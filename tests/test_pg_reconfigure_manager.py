@@ -163,6 +163,20 @@ def _step(m: Any, value: float) -> tuple[bool, float, str, int, int]:
     return ok, t.item(), m._configurer.last_action, m._pg.rank(), m._pg.size()
 
 
+def _until_all(m: Any, value: float, n: int, limit_s: float = 60.0) -> tuple[bool, float, str, int, int]:
+    """Step until a committed step had all ``n`` replica groups taking part (a joiner
+    heals in its first step and takes part from the next; every member stops at that
+    same step, so nobody is left waiting for a quorum)."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        r = _step(m, value)
+        if r[0] and r[4] == n and m.num_participants() == n:
+            return r
+    raise AssertionError(f"{m.replica_id}: no committed step with {n} participants within {limit_s}s")
+
+
 @pytest.fixture
 def pg_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RALLYPOINT_PG_HOST", "127.0.0.1")
@@ -185,15 +199,15 @@ def test_managers_reconfigure_from_handles_through_a_shrink_and_a_grow(lighthous
             order = sorted(range(3), key=lambda i: ms[i].replica_id)
             assert [res[i][3] for i in order] == [0, 1, 2]  # rank = replica order = handle order
 
-            ms[2].shutdown()
-            res = list(ex.map(lambda i: _step(ms[i], float(i + 1)), range(2), timeout=90))
-            assert all(r[1] == pytest.approx(1.5) and r[4] == 2 for r in res if r[0]), res
+            ms[2].shutdown()  # shrink: the two left meet on the handles of two
+            res = list(ex.map(lambda i: _until_all(ms[i], float(i + 1), 2), range(2), timeout=90))
+            assert all(r[1] == pytest.approx(1.5) and r[2] == "reconfigure" for r in res), res
 
-            ms[2] = _manager(lh, pgs[2], "r2b", 2)
-            res = list(ex.map(lambda i: _step(ms[i], float(i + 1)), range(3), timeout=90))
-            res = list(ex.map(lambda i: _step(ms[i], float(i + 1)), range(3), timeout=90))
-            assert [r[0] for r in res] == [True] * 3 and all(r[4] == 3 for r in res), res
-            assert all(r[2] == "reconfigure" for r in res)
+            ms[2] = _manager(lh, pgs[2], "r2b", 2)  # grow: the same group object joins again
+            res = list(ex.map(lambda i: _until_all(ms[i], float(i + 1), 3), range(3), timeout=90))
+            assert all(r[1] == pytest.approx(2.0) and r[2] == "reconfigure" for r in res), res
+            order = sorted(range(3), key=lambda i: ms[i].replica_id)
+            assert [res[i][3] for i in order] == [0, 1, 2]
     finally:
         for m in ms:
             m.shutdown(wait=False)
