@@ -87,7 +87,7 @@ def native_groups() -> dict[str, Any]:
         store = dist.PrefixStore("native/0", dist.TCPStore("127.0.0.1", master.port, is_master=False,
                                                            wait_for_workers=False, timeout=T))
         pg = dist.ProcessGroup(store, i, 3)
-        backend = dist.ProcessGroupGloo(store, i, 3, enable_reconfigure=True)
+        backend = dist.ProcessGroupGloo(store, i, 3, enable_reconfigure=True)  # type: ignore[call-arg]  # 2.13 stubs
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
         pgs.append(pg)
@@ -148,7 +148,7 @@ def ours_in_their_manager() -> dict[str, Any]:
                 commits.append(m.should_commit())
                 sums.append(t.item())
             return {"commits": commits, "means": sums, "rank": pgs[i].rank(), "size": pgs[i].size(),
-                    "exact_prefix": bool(pgs[i].config and pgs[i].config.exact_prefix)}
+                    "exact_prefix": bool(cfg.exact_prefix) if (cfg := pgs[i].config) is not None else False}
         finally:
             m.shutdown(wait=False)
 
@@ -203,7 +203,7 @@ def native_in_our_manager() -> dict[str, Any]:
         store = dist.PrefixStore("native/0", dist.TCPStore("127.0.0.1", master.port, is_master=False,
                                                            wait_for_workers=False, timeout=T))
         pg = dist.ProcessGroup(store, i, 2)
-        backend = dist.ProcessGroupGloo(store, i, 2, enable_reconfigure=True)
+        backend = dist.ProcessGroupGloo(store, i, 2, enable_reconfigure=True)  # type: ignore[call-arg]  # 2.13 stubs
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
         pgs.append(pg)

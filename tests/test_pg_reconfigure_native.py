@@ -71,7 +71,8 @@ def run(scenario: str, nightly: bool = False, timeout: float = 240.0) -> dict[st
         proc = subprocess.run([sys.executable, str(SCRIPT), scenario], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"{scenario} did not finish within {timeout}s:\n{(e.stderr or '')[-4000:]}") from None
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError(f"{scenario} did not finish within {timeout}s:\n{err[-4000:]}") from None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"{scenario} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])
