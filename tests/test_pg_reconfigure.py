@@ -212,3 +212,27 @@ def test_a_wrapper_shares_its_inner_groups_handle(monkeypatch: pytest.MonkeyPatc
             managed.reconfigure(make_options(1, [], None))
     finally:
         wrapped.shutdown()
+
+
+def test_the_handle_store_listens_only_where_it_advertises() -> None:
+    import socket
+
+    from rallypoint._net.heal_host import interface_addresses
+    from rallypoint.process_groups.reconfigure import HandleStore
+
+    hs = HandleStore(environ={}, hostname="127.0.0.1")  # the Manager's hostname, no RALLYPOINT_PG_HOST
+    try:
+        host, port = hs.address().rsplit(":", 1)
+        assert host == "127.0.0.1"
+        socket.create_connection((host, int(port)), timeout=5).close()
+        others = [a for a in interface_addresses().values() if a and not a.startswith("127.")]
+        for a in others:  # another address of this host: nothing listens there
+            with pytest.raises(OSError):
+                socket.create_connection((a, int(port)), timeout=5).close()
+    finally:
+        hs.close()
+    env_wins = HandleStore(environ={"RALLYPOINT_PG_HOST": "127.0.0.1"}, hostname="ghost.invalid")
+    try:
+        assert env_wins.address().startswith("127.0.0.1:")
+    finally:
+        env_wins.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import inspect
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -183,7 +184,9 @@ def pg_host(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_handles
-def test_managers_reconfigure_from_handles_through_a_shrink_and_a_grow(lighthouse: Any, pg_host: None) -> None:
+def test_managers_reconfigure_from_handles_through_a_shrink_and_a_grow(lighthouse: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RALLYPOINT_PG_HOST", raising=False)  # the Manager's hostname is the default
     from rallypoint.process_groups import ProcessGroupGloo
 
     lh = lighthouse(min_replicas=2, join_timeout_ms=3000)
@@ -195,6 +198,7 @@ def test_managers_reconfigure_from_handles_through_a_shrink_and_a_grow(lighthous
             res = list(ex.map(lambda i: _step(ms[i], float(i + 1)), range(3), timeout=90))
             assert [r[0] for r in res] == [True] * 3, res
             assert all(r[1] == pytest.approx(2.0) and r[2] == "reconfigure" for r in res), res  # mean of 1, 2, 3
+            assert all(json.loads(pg.get_reconfigure_handle())["store"].startswith("127.0.0.1:") for pg in pgs)
             assert sorted(r[3] for r in res) == [0, 1, 2] and {r[4] for r in res} == {3}
             order = sorted(range(3), key=lambda i: ms[i].replica_id)
             assert [res[i][3] for i in order] == [0, 1, 2]  # rank = replica order = handle order

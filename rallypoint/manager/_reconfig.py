@@ -180,11 +180,17 @@ class Configurer:
         self.replica_id = ""
         self.last_action = ""  # "configure" / "reconfigure": what the last new quorum used
 
-    def set_replica(self, replica_id: str) -> None:
+    def set_replica(self, replica_id: str, hostname: str | None = None) -> None:
+        """This rank's replica id, passed on with ``set_rank_info`` to groups that take it;
+        ``hostname`` (the Manager's) becomes the default address of a rallypoint group's
+        handle store (``RALLYPOINT_PG_HOST`` still wins)."""
         self.replica_id = replica_id
         set_rank_info = getattr(self.pg, "set_rank_info", None)
         if self.kind.reconfigure and callable(set_rank_info):
             set_rank_info(replica_id, self.group_rank, self.group_world_size, None)
+        set_handle_host = getattr(self.pg, "set_handle_host", None)
+        if hostname and self.kind.reconfigure and callable(set_handle_host):
+            set_handle_host(hostname)
 
     def handle(self) -> str:
         """The handle to send with this quorum request (``''``: none)."""

@@ -201,7 +201,7 @@ class Manager(GroupConnection):
             self.shutdown(wait=False)
             raise
         self._ff.replica_id = self._injector.replica = self._replica_id
-        self._configurer.set_replica(self._replica_id)
+        self._configurer.set_replica(self._replica_id, hostname)
 
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:

@@ -157,10 +157,18 @@ class ProcessGroup(_TorchProcessGroup):
     def _handle_id(self) -> str:
         return self._reconfigure_id
 
+    def set_handle_host(self, host: str) -> None:
+        """The address this group's handle store advertises when ``RALLYPOINT_PG_HOST`` is
+        unset (the Manager passes its ``hostname``); used when the store opens."""
+        if self._handle_store is None:
+            self._handle_store = HandleStore()
+        self._handle_store.hostname = host
+
     def get_reconfigure_handle(self) -> str:  # type: ignore[override]
         """This group's handle (torchft-nightly's JSON shape): its id, the address of the
         store it hosts for the reconfigures it leads, its global rank. The store opens on
-        the first call (``RALLYPOINT_PG_HOST`` chooses its network; see reconfigure.py)."""
+        the first call (``RALLYPOINT_PG_HOST``, else :meth:`set_handle_host`, else the
+        host's name chooses its network; see reconfigure.py)."""
         if self._handle_store is None:
             self._handle_store = HandleStore()
         return make_handle(self._handle_id(), self._handle_store.address(), self._rank_info[3])

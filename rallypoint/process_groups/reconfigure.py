@@ -199,12 +199,12 @@ def _resolve(name: str) -> str | None:
     return str(infos[0][4][0]) if infos else None
 
 
-def _address_from_env(environ: Mapping[str, str]) -> StoreAddress:
+def _address_from_env(environ: Mapping[str, str], hostname: str | None) -> StoreAddress:
     from rallypoint._net.heal_host import interface_addresses
 
     value = environ.get(PG_HOST_ENV)
-    return store_address(value, socket.gethostname(), interface_addresses() if (value or "").strip() else {},
-                         _resolve)
+    return store_address(value, hostname or socket.gethostname(),
+                         interface_addresses() if (value or "").strip() else {}, _resolve)
 
 
 class HandleStore:
@@ -213,10 +213,11 @@ class HandleStore:
     Listens on the advertised address only (see :func:`store_address`); closed with
     :meth:`close` (a group's ``shutdown()``)."""
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None, hostname: str | None = None) -> None:
         import os
 
         self._environ = environ if environ is not None else os.environ
+        self.hostname = hostname  # the default when RALLYPOINT_PG_HOST is unset (else the host's name)
         self._store: Any = None
         self._addr: str | None = None
         self._lock = threading.Lock()
@@ -231,7 +232,7 @@ class HandleStore:
     def _open(self) -> tuple[Any, str]:
         from torch.distributed import TCPStore
 
-        where = _address_from_env(self._environ)
+        where = _address_from_env(self._environ, self.hostname)
         if where.bind is None:
             logger.warning("%s does not resolve here: the group's handle store listens on every interface",
                            where.advertise)

@@ -135,6 +135,9 @@ class ProcessGroupWrapper(ProcessGroup):
     def get_reconfigure_handle(self) -> str:  # type: ignore[override]
         return self._pg.get_reconfigure_handle()
 
+    def set_handle_host(self, host: str) -> None:
+        self._pg.set_handle_host(host)
+
     def abort(self) -> None:
         self._pg.abort()
 
