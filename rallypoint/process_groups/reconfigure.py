@@ -17,7 +17,7 @@ and ours are interchangeable:
 :func:`rendezvous_of` is the pure part (table-tested); :class:`HandleStore` hosts the
 store. Security (docs/security.md, "Process-group handles"): the store listens on the
 address it advertises only (``RALLYPOINT_PG_HOST``: an interface, an IP or a host name;
-default the host's name, as torchft), never every interface unless that name does not
+default the Manager's ``hostname``, else the host's name, as torchft), never every interface unless that name does not
 resolve. It holds only the collectives' rendezvous keys (the data plane), nothing that
 decides where the job credential goes, so there is nothing to sign; like the group's
 store it has no authentication: keep it on the job's private network.
