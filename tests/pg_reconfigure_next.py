@@ -166,7 +166,7 @@ def _our_lighthouse() -> Any:
     return LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=5000)
 
 
-def _our_managers(pgs: list[Any], steps: int = 3) -> dict[str, Any]:
+def _our_managers(pgs: list[Any], steps: int = 4) -> dict[str, Any]:
     from rallypoint.manager import Manager
 
     lh = _our_lighthouse()
@@ -184,6 +184,7 @@ def _our_managers(pgs: list[Any], steps: int = 3) -> dict[str, Any]:
                 out["commits"].append(m.should_commit())
                 out["means"].append(t.item())
             out["action"] = m._configurer.last_action
+            out["rebuilds"] = m._configurer.applied
             out["error"] = repr(m.errored())
             return out
         finally:

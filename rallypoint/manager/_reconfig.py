@@ -179,6 +179,7 @@ class Configurer:
         self.log = log
         self.replica_id = ""
         self.last_action = ""  # "configure" / "reconfigure": what the last new quorum used
+        self.applied = 0  # how many times the group was rebuilt (once per new quorum id)
 
     def set_replica(self, replica_id: str, hostname: str | None = None) -> None:
         """This rank's replica id, passed on with ``set_rank_info`` to groups that take it;
@@ -222,6 +223,7 @@ class Configurer:
             self.pg.configure(store, self.replica_id, q.replica_rank, q.replica_world_size, quorum_id=q.quorum_id,
                               group_rank=self.group_rank, group_world_size=self.group_world_size)
         self.last_action = step.action
+        self.applied += 1
         return step.action
 
 
