@@ -1,0 +1,99 @@
+"""Staging: the training thread's only cost of a durable checkpoint.
+
+The Manager's state (what heals send: ``{"user": {key: state}, "torchft": counters}``) is
+flattened the way DCP flattens it (``user.default.model.weight``), and only this
+writer's keys are copied: tensors to CPU (into pinned memory when they live on a GPU,
+so the copy runs at full bandwidth), other values deep-copied. After the copy the
+training step may change the live state; the background writer reads the copy.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+#: The size a non-tensor value counts for in the split (they are small: counters, hyper-parameters).
+OBJECT_SIZE = 64
+
+
+def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]], set[str], set[str]]:
+    """``(flat, paths, empty, int_keyed)``: DCP's flattened keys and values, each key's
+    path in the nested state, the flattened names of empty dicts/lists (an optimizer's
+    ``state`` before its first step: a checkpoint may hold keys under them), and of dicts
+    with integer keys (an optimizer's ``state``: DCP stores its keys as text, and
+    :func:`int_keys_back` turns them back on restore)."""
+    flat, paths = flatten_state_dict(state)
+    empty: set[str] = set()
+    int_keyed: set[str] = set()
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            if not value:
+                empty.add(prefix)
+            if any(isinstance(k, int) for k in value):
+                int_keyed.add(prefix)
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(value, list) and not value:
+            empty.add(prefix)
+
+    walk("", state)
+    return flat, dict(paths), empty, int_keyed
+
+
+def int_keys_back(state: dict[str, Any], int_keyed: list[str] | set[str]) -> None:
+    """Turn the text keys of the dicts named in ``int_keyed`` back into integers, in place."""
+    for name in int_keyed:
+        node: Any = state
+        for part in name.split(".") if name else []:
+            if not isinstance(node, dict) or part not in node:
+                node = None
+                break
+            node = node[part]
+        if isinstance(node, dict):
+            items = list(node.items())
+            node.clear()
+            node.update({int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v for k, v in items})
+
+
+def sizes_of(flat: dict[str, Any]) -> dict[str, int]:
+    """Bytes per key, for the split."""
+    return {k: v.numel() * v.element_size() if isinstance(v, torch.Tensor) else OBJECT_SIZE for k, v in flat.items()}
+
+
+def shapes_of(flat: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    """Tensor shape per key (None: not a tensor), for the model check on restore."""
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
+
+
+def stage(flat: dict[str, Any], keys: tuple[str, ...] | list[str]) -> tuple[dict[str, Any], int]:
+    """Copy ``keys`` of ``flat`` off the live state: ``(copies, tensor bytes)``."""
+    out: dict[str, Any] = {}
+    nbytes = 0
+    on_gpu = False
+    for k in keys:
+        v = flat[k]
+        if isinstance(v, torch.Tensor):
+            if type(v) is not torch.Tensor and hasattr(v, "to_local"):
+                raise NotImplementedError(f"{k!r} is a DTensor: sharded state is not written by durable checkpoints yet")
+            t = v.detach()
+            if t.device.type == "cpu":
+                c = t.clone()
+            else:
+                c = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                c.copy_(t, non_blocking=True)
+                on_gpu = True
+            out[k] = c
+            nbytes += c.numel() * c.element_size()
+        else:
+            out[k] = copy.deepcopy(v)
+    if on_gpu and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, nbytes
+
+
+__all__ = ["OBJECT_SIZE", "flatten", "int_keys_back", "shapes_of", "sizes_of", "stage"]
