@@ -33,6 +33,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from rallypoint.checkpoint import stage as _stage
 from rallypoint.checkpoint import storage
 from rallypoint.checkpoint.plan import first_mismatch, is_due, plan_share
@@ -178,7 +180,8 @@ class DurableCheckpoint:
             folder = self._store.step_dir(step)
             template, _, empty, _ = _stage.flatten(m._user_state.snapshot(m.state_dict))
             md = storage.read_metadata(self._store, self._store.child(folder, storage.METADATA))
-            saved = {k: (tuple(v.size) if hasattr(v, "chunks") else None) for k, v in md.state_dict_metadata.items()}
+            saved = {k: (tuple(v.size) if isinstance(v, TensorStorageMetadata) else None)
+                     for k, v in md.state_dict_metadata.items()}
             ours = {k: v for k, v in _stage.shapes_of(template).items() if not k.startswith("torchft.")}
             why = first_mismatch(ours, {k: v for k, v in saved.items() if not k.startswith("torchft.")}, empty)
             if why is not None:

@@ -124,7 +124,7 @@ class Store:
     def reader(self, path: str) -> FileSystemReader:
         if self.local:
             return FileSystemReader(path)
-        from torch.distributed.checkpoint import FsspecReader
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(path)
 
@@ -161,7 +161,7 @@ class _LocalShareWriter(_ShareMixin, FileSystemWriter):
 
 
 def _fsspec_share_writer() -> type:
-    from torch.distributed.checkpoint import FsspecWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     class _FsspecShareWriter(_ShareMixin, FsspecWriter):
         pass

@@ -69,8 +69,21 @@ def cause_of(e: BaseException) -> str:
     return type(e).__name__
 
 
+@dataclass
+class _Pending:
+    """A checkpoint writer 0 wrote its share of, waiting for the others' done-markers."""
+
+    job: Job
+    folder: str
+    deadline: float
+    missing: list[str]
+
+
 class Writer:
-    """The thread that writes staged shares, one at a time."""
+    """The thread that writes staged shares, one at a time, and (writer 0) commits them.
+
+    A commit waits for the other shares without holding up the next share: the thread
+    checks pending commits between writes."""
 
     def __init__(self, store: storage.Store, keep: int, commit_timeout: float, label: str) -> None:
         self.store = store
@@ -80,13 +93,17 @@ class Writer:
         self.counters = Counters()
         self._lock = threading.Lock()
         self._q: queue.Queue[Job | None] = queue.Queue(maxsize=1)
-        self._idle = threading.Event()
+        self._idle = threading.Event()  # no share being written
         self._idle.set()
+        self._done = threading.Event()  # no share being written and no commit pending
+        self._done.set()
+        self._pending: list[_Pending] = []
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rallypoint-checkpoint", daemon=True)
         self._thread.start()
 
     def busy(self) -> bool:
+        """A share is being written (a new one would be skipped)."""
         return not self._idle.is_set()
 
     def submit(self, job: Job) -> bool:
@@ -96,16 +113,17 @@ class Writer:
                 self.counters.skipped += 1
             return False
         self._idle.clear()
+        self._done.clear()
         self._q.put(job)
         return True
 
     def wait(self, timeout: float) -> bool:
-        """Wait for the write in flight (True when none is left)."""
-        return self._idle.wait(timeout)
+        """Wait for the share in flight and this rank's pending commits (True: none left)."""
+        return self._done.wait(timeout)
 
     def close(self, timeout: float) -> None:
-        """Let a write in flight finish (at most ``timeout``), then stop the thread."""
-        self._idle.wait(timeout)
+        """Let the writes and commits in flight finish (at most ``timeout``), then stop the thread."""
+        self._done.wait(timeout)
         self._closing.set()
         try:
             self._q.put_nowait(None)
@@ -129,15 +147,25 @@ class Writer:
 
     def _run(self) -> None:
         while True:
-            job = self._q.get()
+            job: Any
+            try:
+                job = self._q.get(timeout=0.05) if self._pending else self._q.get()
+            except queue.Empty:
+                job = None if self._closing.is_set() else _NOTHING
+            if job is None and not self._pending:
+                return
+            if isinstance(job, Job):
+                try:
+                    self._write(job)
+                except Exception as e:  # noqa: BLE001
+                    self.failed(f"step {job.share.step} (share {job.share.index}/{job.share.writers})", e)
+                finally:
+                    self._idle.set()
+            self._poll_commits()
+            if self._idle.is_set() and not self._pending:
+                self._done.set()
             if job is None:
                 return
-            try:
-                self._write(job)
-            except Exception as e:  # noqa: BLE001
-                self.failed(f"step {job.share.step} (share {job.share.index}/{job.share.writers})", e)
-            finally:
-                self._idle.set()
 
     def _write(self, job: Job) -> None:
         share = job.share
@@ -154,23 +182,34 @@ class Writer:
         log.info("[%s] wrote share %d/%d of step %d: %d bytes in %.2fs", self.label, share.index, share.writers,
                  share.step, job.nbytes, dt)
         if share.index == 0:
-            self._commit(job, folder)
+            names = [storage.share_metadata_name(share.attempt, i) for i in range(share.writers)]
+            self._pending.append(_Pending(job, folder, time.monotonic() + self.commit_timeout, names))
+
+    def _poll_commits(self) -> None:
+        """Commit every pending checkpoint whose shares all landed; give up on those past
+        their deadline (the step stays incomplete; the next interval tries again)."""
+        for p in list(self._pending):
+            share = p.job.share
+            try:
+                p.missing = [n for n in p.missing if not self.store.exists(self.store.child(p.folder, n))]
+                if not p.missing:
+                    self._pending.remove(p)
+                    self._commit(p.job, p.folder)
+                elif time.monotonic() >= p.deadline or self._closing.is_set():
+                    self._pending.remove(p)
+                    raise TimeoutError(
+                        f"step {share.step} stays incomplete: {len(p.missing)} of {share.writers} shares did not land "
+                        f"within {self.commit_timeout:.0f}s (first missing: {p.missing[0]}); the next interval "
+                        "tries again")
+            except Exception as e:  # noqa: BLE001
+                if p in self._pending:
+                    self._pending.remove(p)
+                self.failed(f"committing step {share.step}", e)
 
     def _commit(self, job: Job, folder: str) -> None:
-        """Writer 0: wait (bounded) for every share's done-marker, then merge and mark."""
+        """Merge the shares' metadata into ``.metadata``, then write the commit marker."""
         share = job.share
         names = [storage.share_metadata_name(share.attempt, i) for i in range(share.writers)]
-        deadline = time.monotonic() + self.commit_timeout
-        missing = names
-        while True:
-            missing = [n for n in missing if not self.store.exists(self.store.child(folder, n))]
-            if not missing or time.monotonic() >= deadline or self._closing.is_set():
-                break
-            time.sleep(0.05)
-        if missing:
-            raise TimeoutError(f"step {share.step} stays incomplete: {len(missing)} of {share.writers} shares did not "
-                               f"land within {self.commit_timeout:.0f}s (first missing: {missing[0]}); the next "
-                               "interval tries again")
         parts = [storage.read_metadata(self.store, self.store.child(folder, n)) for n in names]
         self.store.write_atomic(self.store.child(folder, storage.METADATA),
                                 _pickle(storage.merge_metadata(parts)))
@@ -187,7 +226,8 @@ class Writer:
         self._prune(share.step)
 
     def _prune(self, newest: int) -> None:
-        complete, incomplete = [], []
+        complete: list[int] = []
+        incomplete: list[int] = []
         for s in self.store.steps():
             if s > newest:
                 continue
@@ -199,6 +239,9 @@ class Writer:
                 log.info("[%s] pruned checkpoint step %d (keep=%d)", self.label, s, self.keep)
             except Exception as e:  # noqa: BLE001
                 self.failed(f"pruning step {s}", e)
+
+
+_NOTHING = object()  # a wake-up to check pending commits
 
 
 def _pickle(obj: Any) -> bytes:
