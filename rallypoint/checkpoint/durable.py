@@ -43,6 +43,7 @@ from rallypoint.checkpoint.writer import Job, Writer
 log = logging.getLogger("rallypoint.checkpoint")
 
 ENV_DIR, ENV_EVERY, ENV_KEEP = "RALLYPOINT_CHECKPOINT_DIR", "RALLYPOINT_CHECKPOINT_EVERY", "RALLYPOINT_CHECKPOINT_KEEP"
+ENV_COMMIT_TIMEOUT = "RALLYPOINT_CHECKPOINT_COMMIT_TIMEOUT_SEC"
 DEFAULT_EVERY, DEFAULT_KEEP = 100, 3
 
 
@@ -81,13 +82,16 @@ class DurableCheckpoint:
 
     @classmethod
     def from_env(cls, manager: Any, environ: Mapping[str, str] = os.environ) -> DurableCheckpoint | None:
-        """The checkpointer ``RALLYPOINT_CHECKPOINT_DIR`` asks for (None when unset)."""
+        """The checkpointer ``RALLYPOINT_CHECKPOINT_DIR`` asks for (None when unset), with
+        ``RALLYPOINT_CHECKPOINT_EVERY`` (100), ``RALLYPOINT_CHECKPOINT_KEEP`` (3) and
+        ``RALLYPOINT_CHECKPOINT_COMMIT_TIMEOUT_SEC`` (600)."""
         path = environ.get(ENV_DIR, "").strip()
         if not path:
             return None
         every = _env_int(environ, ENV_EVERY, DEFAULT_EVERY, 1)
         keep = _env_int(environ, ENV_KEEP, DEFAULT_KEEP, 0)
-        return cls(manager, path, every=every, keep=keep)
+        commit = _env_int(environ, ENV_COMMIT_TIMEOUT, 600, 1)
+        return cls(manager, path, every=every, keep=keep, commit_timeout=float(commit))
 
     # ------------------------------------------------------------------ the Manager's hook
     def at_boundary(self) -> None:
