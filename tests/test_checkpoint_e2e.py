@@ -106,12 +106,17 @@ def test_group_killed_mid_share_leaves_step_incomplete(tmp_path: Path, procs, cl
     groups = start_groups(procs, lh.address, tmp_path, 1, pause_at=10**6, stop_at=22, env=env,
                           extra_env={"g2": {"RALLYPOINT_CHECKPOINT_TEST_DIE": "share:10"}})
     assert groups[2].wait(120) == -signal.SIGKILL, logs(tmp_path)
+    s10, s20 = ckpt / "step_00000010", ckpt / "step_00000020"
+    # Right after the kill (writer 0 waits 3 s for the missing share): g2's data landed,
+    # its done-marker did not, and nothing marks the step complete.
+    names = {p.name for p in s10.iterdir()}
+    assert any(n.endswith("_2_0.distcp") for n in names), names
+    assert not any(n.endswith("-2.metadata") for n in names), names
     for p in groups[:2]:
         assert p.wait(180) == 0, logs(tmp_path)
-    s10, s20 = ckpt / "step_00000010", ckpt / "step_00000020"
-    assert any(p.name.endswith(".distcp") for p in s10.iterdir())  # g2's data landed...
-    assert not (s10 / ".rallypoint-complete").exists()  # ...but the step was never marked complete
-    assert not (s10 / ".metadata").exists()
+    g0 = (tmp_path / "g0.1.stderr").read_text()
+    assert "step 10 stays incomplete: 1 of 3 shares did not land" in g0
+    assert "checkpoint step 10 complete" not in g0
     marker = json.loads((s20 / ".rallypoint-complete").read_text())
     assert marker["step"] == 20 and marker["writers"] == 2, marker
-    assert "step 10 stays incomplete" in (tmp_path / "g0.1.stderr").read_text()
+    assert not s10.exists()  # an incomplete step older than a complete one is pruned
