@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,9 @@ from rallypoint.checkpoint import storage
 from rallypoint.checkpoint.plan import Share, prune
 
 log = logging.getLogger("rallypoint.checkpoint")
+# Every share is one process's own dcp.save (no_dist), on purpose: not worth a warning each time.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 
 @dataclass
