@@ -277,3 +277,62 @@ def test_from_env(tmp_path: Path) -> None:
         DurableCheckpoint.from_env(m, {"RALLYPOINT_CHECKPOINT_DIR": "x", "RALLYPOINT_CHECKPOINT_EVERY": "0"})
     for c in m.step_hooks:
         c.close(1)
+
+
+# ----------------------------------------------------------------------------- a real Manager
+
+
+def _solo_manager(lh: Any, model: nn.Module) -> Any:
+    from datetime import timedelta
+
+    import rallypoint
+
+    t = timedelta(seconds=5)
+    return rallypoint.Manager(rallypoint.ProcessGroupGloo(timeout=t), lambda sd: model.load_state_dict(sd),
+                              model.state_dict, min_replica_size=1, hostname="127.0.0.1", store_addr="127.0.0.1",
+                              lighthouse_addr=lh.address(), replica_id="solo", timeout=t, quorum_timeout=t,
+                              connect_timeout=t)
+
+
+def _steps(m: Any, model: nn.Module, n: int) -> None:
+    for _ in range(n):
+        m.start_quorum()
+        for p in model.parameters():
+            g = torch.ones_like(p)
+            m.allreduce(g).wait()
+        if m.should_commit():
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.1 * (m.current_step() + 1))
+
+
+def test_public_durable_checkpoint_on_a_manager(tmp_path: Path, lighthouse, monkeypatch) -> None:
+    """``rallypoint.DurableCheckpoint(manager, path, every, keep)`` on a real Manager: the
+    step-3 state is written when round 4 starts (after the optimizer stepped), and a new
+    Manager restores it at its first round, step counter included."""
+    import rallypoint
+
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "RALLYPOINT_CHECKPOINT_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    lh = lighthouse(min_replicas=1, join_timeout_ms=100)
+    model = nn.Linear(3, 2)
+    m = _solo_manager(lh, model)
+    try:
+        ck = rallypoint.DurableCheckpoint(m, str(tmp_path), every=3, keep=1)
+        _steps(m, model, 3)
+        at3 = [p.detach().clone() for p in model.parameters()]
+        _steps(m, model, 1)  # its start_quorum stages step 3
+        assert ck.wait(30) and ck.stats()["last_complete_step"] == 3 and ck.stats()["last_stall_s"] > 0
+    finally:
+        m.shutdown()
+    model2 = nn.Linear(3, 2)
+    m2 = _solo_manager(lh, model2)
+    try:
+        monkeypatch.setenv("RALLYPOINT_CHECKPOINT_DIR", str(tmp_path))
+        ck2 = rallypoint.DurableCheckpoint.from_env(m2)
+        assert ck2 is not None
+        m2.start_quorum()
+        assert m2.current_step() == 3 and ck2.restored_step == 3
+        assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), at3))
+    finally:
+        m2.shutdown()

@@ -99,9 +99,9 @@ class DurableCheckpoint:
         restore at the first, save when the last committed step is due."""
         if not self._started:
             self._started = True
-            if self._restore_first:
+            if self._restore_first and self.manager.step_record() is None:  # not when attached mid-run
                 self.restore()
-            return
+                return
         self.maybe_save()
 
     def close(self, timeout: float = 60.0) -> None:
