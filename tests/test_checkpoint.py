@@ -117,6 +117,8 @@ class FakeManager:
         return self.step
 
     def step_record(self) -> Any:
+        if self.step == 0:
+            return None  # no round finished yet
         return types.SimpleNamespace(outcome="committed", replica_rank=self.rr, replica_world_size=self.ws,
                                      quorum_id=1, participants=tuple(f"g{i}" for i in range(self.ws)))
 

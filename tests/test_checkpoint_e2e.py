@@ -120,3 +120,36 @@ def test_group_killed_mid_share_leaves_step_incomplete(tmp_path: Path, procs, cl
     marker = json.loads((s20 / ".rallypoint-complete").read_text())
     assert marker["step"] == 20 and marker["writers"] == 2, marker
     assert not s10.exists()  # an incomplete step older than a complete one is pruned
+
+
+def test_train_ddp_under_rallypoint_run_resumes_from_its_checkpoint(tmp_path: Path, lighthouse) -> None:
+    """``rallypoint run --checkpoint-dir DIR --checkpoint-every 5 examples/train_ddp.py``: the
+    group's two ranks write a share each; run again, it resumes at the last complete step."""
+    import os
+
+    repo = Path(__file__).resolve().parent.parent
+    lh = lighthouse(min_replicas=1, join_timeout_ms=100)
+    clean = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "REPLICA_GROUP_ID",
+             "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "RALLYPOINT_CHECKPOINT_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in clean}
+    env.update(RALLYPOINT_LIGHTHOUSE=lh.address(), NUM_REPLICA_GROUPS="1")
+    ckpt = tmp_path / "ckpt"
+
+    def run(steps: int) -> str:
+        p = subprocess.run(
+            [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node", "2", "--replica-group-id", "0",
+             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", str(repo / "examples" / "train_ddp.py"),
+             "--steps", str(steps), "--log-level", "INFO"],
+            env=env, capture_output=True, text=True, timeout=150, cwd=repo)
+        out = p.stdout + p.stderr
+        assert p.returncode == 0, out[-6000:]
+        assert f"group 0: stopped at step {steps}" in out, out[-6000:]
+        return out
+
+    first = run(12)
+    marker = json.loads((ckpt / "step_00000010" / ".rallypoint-complete").read_text())
+    assert marker["writers"] == 2, marker  # one group of two ranks: two shares
+    assert "restored checkpoint" not in first
+    second = run(16)
+    assert "restored checkpoint step 10" in second, second[-6000:]
+    assert (ckpt / "step_00000015" / ".rallypoint-complete").exists()

@@ -68,6 +68,10 @@ class DurableCheckpoint:
         hooks = getattr(manager, "step_hooks", None)
         if not isinstance(hooks, list):
             raise TypeError("DurableCheckpoint needs a rallypoint Manager (one with step_hooks)")
+        other = next((h for h in hooks if isinstance(h, DurableCheckpoint)), None)
+        if other is not None:
+            raise ValueError(f"this Manager already checkpoints to {other.path} (RALLYPOINT_CHECKPOINT_DIR?): "
+                             "one DurableCheckpoint per Manager")
         self.manager = manager
         self.path = str(path)
         self.every, self.keep = int(every), int(keep)
@@ -105,8 +109,14 @@ class DurableCheckpoint:
         self.maybe_save()
 
     def close(self, timeout: float = 60.0) -> None:
-        """Let a write in flight finish (bounded), then stop the writer thread (the
-        Manager's ``shutdown`` calls it)."""
+        """Write the last committed step when it is due (a run that ends at step 100 with
+        ``every=100`` keeps it), let the writes in flight finish (bounded), then stop the
+        writer thread. The Manager's ``shutdown`` calls it."""
+        if self._started:
+            try:
+                self.maybe_save()
+            except Exception as e:  # noqa: BLE001
+                self._writer.failed("the last checkpoint", e)
         self._writer.close(timeout)
 
     # ------------------------------------------------------------------ saving
