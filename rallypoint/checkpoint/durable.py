@@ -68,12 +68,12 @@ class DurableCheckpoint:
         hooks = getattr(manager, "step_hooks", None)
         if not isinstance(hooks, list):
             raise TypeError("DurableCheckpoint needs a rallypoint Manager (one with step_hooks)")
-        other = next((h for h in hooks if isinstance(h, DurableCheckpoint)), None)
+        other: DurableCheckpoint | None = next((h for h in hooks if isinstance(h, DurableCheckpoint)), None)
         if other is not None:
-            raise ValueError(f"this Manager already checkpoints to {other.path} (RALLYPOINT_CHECKPOINT_DIR?): "
+            raise ValueError(f"this Manager already checkpoints to {other.path!s} (RALLYPOINT_CHECKPOINT_DIR?): "
                              "one DurableCheckpoint per Manager")
         self.manager = manager
-        self.path = str(path)
+        self.path: str = str(path)
         self.every, self.keep = int(every), int(keep)
         self.label = f"replica {getattr(manager, 'replica_id', '?')} rank {getattr(manager, 'group_rank', 0)}"
         self._store = storage.Store(self.path)
