@@ -82,6 +82,7 @@ class DurableCheckpoint:
         self._started = False
         self._last_written: int | None = None
         self.restored_step: int | None = None
+        self._buffers: dict[str, Any] = {}  # staging memory, reused (stage.stage)
         hooks.append(self)
 
     @classmethod
@@ -142,7 +143,7 @@ class DurableCheckpoint:
             attempt = hashlib.sha1(f"{step}|{rec.quorum_id}|{','.join(rec.participants)}".encode()).hexdigest()[:10]
             share = plan_share(step, _stage.sizes_of(flat), int(rec.replica_rank), int(rec.replica_world_size),
                                int(m.group_rank), int(m.group_world_size), attempt)
-            data, nbytes = _stage.stage(flat, share.keys)
+            data, nbytes = _stage.stage(flat, share.keys, self._buffers)
         except Exception as e:  # noqa: BLE001
             self._writer.failed(f"staging step {step}", e)
             return False
