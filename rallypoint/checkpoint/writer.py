@@ -49,6 +49,7 @@ class Counters:
     writes: int = 0  # shares written
     commits: int = 0  # checkpoints this rank marked complete (the committer)
     bytes: int = 0  # bytes of shares written
+    last_bytes: int = 0  # of the last share written
     failures: int = 0
     skipped: int = 0  # intervals skipped because the previous write was still in flight
     stall_s: float = 0.0  # training-thread time spent staging, in total
@@ -182,6 +183,7 @@ class Writer:
         with self._lock:
             self.counters.writes += 1
             self.counters.bytes += job.nbytes
+            self.counters.last_bytes = job.nbytes
             self.counters.last_write_s = dt
         log.info("[%s] wrote share %d/%d of step %d: %d bytes in %.2fs", self.label, share.index, share.writers,
                  share.step, job.nbytes, dt)
