@@ -14,13 +14,14 @@ each repetition:
 
 - ``sync``: one process calls ``torch.distributed.checkpoint.save`` of the whole state
   (``no_dist``, FileSystemWriter with its defaults: fsync on). Its stall is the whole save.
-- ``ours, G``: G processes take the round one after another (a "go" line from the parent,
-  the next group's once the previous one has staged: on hosts of their own they would not
-  share this machine's two cores for the copy; the writes then overlap); each stall is the
-  time ``at_boundary()`` (plan + staging copy + hand-off to the writer thread) blocks its
-  caller (its staging memory is reused from the previous checkpoint, as in
-  training: a warm-up round first, not counted); the write wall time runs from "go" until writer 0 has written the
-  commit marker. Bytes per group: what each writer reports.
+- ``ours, G``, twice. The stall: the G processes take a checkpoint one after another (the
+  next group's "go" once the previous one's share is written: on hosts of their own they
+  would not share this machine's cores and disk), each stall being the time
+  ``at_boundary()`` (plan + staging copy + hand-off to the writer thread) blocks its
+  caller. The write wall time: all G start together ("go" to each), from the first "go"
+  until writer 0 has written the commit marker. Staging memory is reused from the
+  previous checkpoint, as in training (a warm-up round first, not counted). Bytes per
+  group: what each writer reports.
 
 Stall ratio = median(ours stall, worst group) / median(sync stall), per G. On a GPU the
 staging copy is a device-to-pinned-host copy; on this CPU-only machine it is a memcpy.
@@ -124,6 +125,8 @@ def child(args: argparse.Namespace) -> int:
             t_go = time.time()
             ck.at_boundary()
             t_staged = time.time()
+            if msg.get("isolated"):
+                ck._writer._idle.wait(1800)  # this group's share written: the next group may start
             out.write(json.dumps({"staged": t_staged}) + "\n")
             out.flush()
             ok = ck.wait(1800)
@@ -167,24 +170,31 @@ def main() -> int:
             for mode in ["sync", *groups]:  # interleaved: every repetition runs each once
                 folder = root / (f"sync-{rep}" if mode == "sync" else f"g{mode}")
                 g = 1 if mode == "sync" else int(mode)
-                step = rep + 2
-                for k in kids[:g]:  # one group after another stages (as on hosts of their own), then all write
-                    k.send({"mode": "sync" if mode == "sync" else "ours", "groups": g, "dir": str(folder),
-                            "step": step})
+                runs = [None] if mode == "sync" else [True, False]
+                got: list[list[dict[str, Any]]] = []
+                for isolated in runs:  # the stall, each group alone; then the write wall time, all at once
+                    step = 2 * rep + (4 if isolated else 5)
+                    for k in kids[:g]:
+                        k.send({"mode": "sync" if mode == "sync" else "ours", "groups": g, "dir": str(folder),
+                                "step": step, "isolated": isolated})
+                        if isolated:
+                            k.recv(600)  # staged and its share written
+                    if isolated is False:
+                        for k in kids[:g]:
+                            k.recv(600)
+                    got.append([k.recv(1800) for k in kids[:g]])
                     if mode != "sync":
-                        k.recv(600)  # {"staged": ...}
-                res = [k.recv(1800) for k in kids[:g]]
+                        assert all(r["ok"] and not r["failures"] for r in got[-1]), got[-1]
+                        assert (folder / f"step_{step:08d}" / ".rallypoint-complete").exists(), folder
                 if rep < 0:
                     pass
                 elif mode == "sync":
-                    sync.append(res[0]["t_done"] - res[0]["t_go"])
+                    sync.append(got[0][0]["t_done"] - got[0][0]["t_go"])
                 else:
-                    assert all(r["ok"] and not r["failures"] for r in res), res
-                    assert (folder / f"step_{step:08d}" / ".rallypoint-complete").exists(), folder
                     ours[g].append({
-                        "stall_s": max(r["t_staged"] - r["t_go"] for r in res),
-                        "write_s": max(r["t_done"] for r in res) - min(r["t_go"] for r in res),
-                        "bytes": [r["bytes"] for r in res],
+                        "stall_s": max(r["t_staged"] - r["t_go"] for r in got[0]),
+                        "write_s": max(r["t_done"] for r in got[1]) - min(r["t_go"] for r in got[1]),
+                        "bytes": [r["bytes"] for r in got[1]],
                     })
                 if mode == "sync":
                     shutil.rmtree(folder, ignore_errors=True)
