@@ -109,7 +109,7 @@ class DurableCheckpoint:
                 return
         self.maybe_save()
 
-    def close(self, timeout: float = 60.0) -> None:
+    def close(self, timeout: float = 30.0) -> None:
         """Write the last committed step when it is due (a run that ends at step 100 with
         ``every=100`` keeps it), let the writes in flight finish (bounded), then stop the
         writer thread. The Manager's ``shutdown`` calls it."""
