@@ -27,6 +27,7 @@ to load, naming the first key that differs.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import time
@@ -107,7 +108,10 @@ class DurableCheckpoint:
             if self._restore_first and self.manager.step_record() is None:  # not when attached mid-run
                 self.restore()
                 return
-        self.maybe_save()
+        try:
+            self.maybe_save()
+        except Exception as e:  # noqa: BLE001  (a checkpoint never fails a training step)
+            self._writer.failed("checkpointing", e)
 
     def close(self, timeout: float = 30.0) -> None:
         """Write the last committed step when it is due (a run that ends at step 100 with
@@ -117,7 +121,7 @@ class DurableCheckpoint:
             try:
                 self.maybe_save()
             except Exception as e:  # noqa: BLE001
-                self._writer.failed("the last checkpoint", e)
+                self._writer.failed("checkpointing", e)
         self._writer.close(timeout)
 
     # ------------------------------------------------------------------ saving
@@ -163,9 +167,11 @@ class DurableCheckpoint:
         c = self._writer.counters
         s = self._last_written
         if s is not None and c.last_complete_step != s:
-            marker, _ = storage.check_complete(self._store, self._store.step_dir(s))
-            if marker is not None:
+            try:  # the marker only (small): this runs on the training thread
+                marker = json.loads(self._store.read(self._store.child(self._store.step_dir(s), storage.MARKER)))
                 c.last_complete_step, c.last_complete_time = s, float(marker.get("time", time.time()))
+            except (OSError, ValueError):
+                pass  # not complete (yet)
 
     # ------------------------------------------------------------------ restoring
     def newest_complete(self) -> tuple[int, dict[str, Any]] | None:
