@@ -338,3 +338,10 @@ def test_public_durable_checkpoint_on_a_manager(tmp_path: Path, lighthouse, monk
         assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), at3))
     finally:
         m2.shutdown()
+
+
+def test_plan_share_sharded_keys_go_to_every_rank_of_one_group() -> None:
+    sizes = {"w1": 100, "w2": 90, "b": 8, "n": 4}
+    shares = {(r, g): plan_share(2, sizes, r, 2, g, 2, "a", {"w1", "w2"}).keys for r in range(2) for g in range(2)}
+    assert shares[(0, 0)] == ("b", "w1") and shares[(0, 1)] == ("n", "w1")  # both ranks of group 0: w1's shards
+    assert shares[(1, 0)] == ("w2",) and shares[(1, 1)] == ("w2",)

@@ -146,7 +146,7 @@ class DurableCheckpoint:
             flat, paths, _, int_keyed = _stage.flatten(state)
             attempt = hashlib.sha1(f"{step}|{rec.quorum_id}|{','.join(rec.participants)}".encode()).hexdigest()[:10]
             share = plan_share(step, _stage.sizes_of(flat), int(rec.replica_rank), int(rec.replica_world_size),
-                               int(m.group_rank), int(m.group_world_size), attempt)
+                               int(m.group_rank), int(m.group_world_size), attempt, _stage.sharded_keys(flat))
             data, nbytes = _stage.stage(flat, share.keys, self._buffers)
         except Exception as e:  # noqa: BLE001
             self._writer.failed(f"staging step {step}", e)
@@ -199,7 +199,8 @@ class DurableCheckpoint:
         while found is not None:
             step, marker = found
             folder = self._store.step_dir(step)
-            template, _, empty, _ = _stage.flatten(m._user_state.snapshot(m.state_dict))
+            snapshot = m._user_state.snapshot(m.state_dict)
+            template, _, empty, _ = _stage.flatten(snapshot)
             md = storage.read_metadata(self._store, self._store.child(folder, storage.METADATA))
             saved = {k: (tuple(v.size) if isinstance(v, TensorStorageMetadata) else None)
                      for k, v in md.state_dict_metadata.items()}
@@ -208,14 +209,23 @@ class DurableCheckpoint:
             if why is not None:
                 raise ValueError(f"[{self.label}] checkpoint {folder} was not written by this model: {why}; "
                                  f"move it away or point {ENV_DIR} elsewhere")
+            sharded = bool(_stage.sharded_keys(template))
             try:
-                loaded = load_checkpoint(self._store, folder)
+                if sharded:  # each rank reads its own shards into the live DTensors
+                    loaded = load_into(self._store, folder, snapshot)
+                else:
+                    loaded = load_checkpoint(self._store, folder)
+                    _stage.int_keys_back(loaded, marker.get("int_keyed", []))
             except Exception as e:  # noqa: BLE001
                 log.warning("[%s] skipping checkpoint %s: it failed to load: %s: %s", self.label, folder,
                             type(e).__name__, e)
                 found = self._older_complete(step)
                 continue
-            _stage.int_keys_back(loaded, marker.get("int_keyed", []))
+            left = sorted(k for k in saved if sharded and k not in template and not k.startswith("torchft."))
+            if left:
+                log.warning("[%s] %d key(s) of %s not restored: the job's sharded state has no place for them yet "
+                            "(first: %s; an optimizer's state before its first step: initialise it before the "
+                            "first round to restore it)", self.label, len(left), folder, left[0])
             m._user_state.apply(loaded, m.load_state_dict)
             self.restored_step = self._last_written = step
             c = self._writer.counters
@@ -254,6 +264,15 @@ def load_checkpoint(store: storage.Store, folder: str) -> dict[str, Any]:
     return out
 
 
+def load_into(store: storage.Store, folder: str, state: dict[str, Any]) -> dict[str, Any]:
+    """Load the checkpoint in ``folder`` into ``state`` in place (DTensors read only their
+    own shards; keys the state lacks are left out); returns ``state``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, storage_reader=store.reader(folder), no_dist=True)
+    return state
+
+
 def _env_int(environ: Mapping[str, str], name: str, default: int, least: int) -> int:
     raw = environ.get(name, "").strip()
     if not raw:
@@ -267,4 +286,4 @@ def _env_int(environ: Mapping[str, str], name: str, default: int, least: int) ->
     return value
 
 
-__all__ = ["DurableCheckpoint", "ENV_DIR", "ENV_EVERY", "ENV_KEEP", "load_checkpoint"]
+__all__ = ["DurableCheckpoint", "ENV_DIR", "ENV_EVERY", "ENV_KEEP", "load_checkpoint", "load_into"]

@@ -70,13 +70,22 @@ class Share:
 
 
 def plan_share(step: int, sizes: dict[str, int], replica_rank: int, replica_world_size: int,
-               group_rank: int, group_world_size: int, attempt: str) -> Share:
-    """This writer's share of step ``step``'s checkpoint."""
+               group_rank: int, group_world_size: int, attempt: str, sharded: set[str] | frozenset[str] = frozenset()
+               ) -> Share:
+    """This writer's share of step ``step``'s checkpoint.
+
+    ``sharded``: keys held in shards by the ranks of a group (DTensors of FSDP2/HSDP):
+    they are split over the groups only, and every rank of the group that writes one
+    writes its own shard; the other keys are split over all ``G * W`` writers."""
     writers = replica_world_size * group_world_size
     index = writer_index(replica_rank, group_rank, group_world_size)
     if not 0 <= index < writers:
         raise ValueError(f"writer {index} is outside {writers} writers")
-    return Share(step, index, writers, tuple(split_keys(sizes, writers)[index]), attempt)
+    plain = {k: v for k, v in sizes.items() if k not in sharded}
+    mine = split_keys(plain, writers)[index]
+    if sharded:
+        mine += split_keys({k: sizes[k] for k in sharded if k in sizes}, replica_world_size)[replica_rank]
+    return Share(step, index, writers, tuple(sorted(mine)), attempt)
 
 
 def prune(complete: list[int], incomplete: list[int], keep: int) -> list[int]:

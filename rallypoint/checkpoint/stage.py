@@ -60,8 +60,20 @@ def int_keys_back(state: dict[str, Any], int_keyed: list[str] | set[str]) -> Non
             node.update({int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v for k, v in items})
 
 
+def is_dtensor(v: Any) -> bool:
+    """A DTensor (FSDP2/HSDP sharded state), without importing torch.distributed.tensor."""
+    return isinstance(v, torch.Tensor) and type(v) is not torch.Tensor and hasattr(v, "to_local") \
+        and hasattr(v, "device_mesh")
+
+
+def sharded_keys(flat: dict[str, Any]) -> set[str]:
+    """The keys whose values are DTensors: every rank of the group that writes them
+    writes its own shard."""
+    return {k for k, v in flat.items() if is_dtensor(v)}
+
+
 def sizes_of(flat: dict[str, Any]) -> dict[str, int]:
-    """Bytes per key, for the split."""
+    """Bytes per key (a DTensor's whole size), for the split."""
     return {k: v.numel() * v.element_size() if isinstance(v, torch.Tensor) else OBJECT_SIZE for k, v in flat.items()}
 
 
@@ -88,9 +100,8 @@ def stage(flat: dict[str, Any], keys: tuple[str, ...] | list[str],
     for k in keys:
         v = flat[k]
         if isinstance(v, torch.Tensor):
-            if type(v) is not torch.Tensor and hasattr(v, "to_local"):
-                raise NotImplementedError(f"{k!r} is a DTensor: sharded state is not written by durable checkpoints yet")
-            t = v.detach()
+            dt: Any = v if is_dtensor(v) else None
+            t = (dt.to_local() if dt is not None else v).detach()
             gpu = t.device.type != "cpu"
             c = buffers.get(k) if buffers is not None else None
             if c is None or c.shape != t.shape or c.dtype != t.dtype:
@@ -99,7 +110,7 @@ def stage(flat: dict[str, Any], keys: tuple[str, ...] | list[str],
                     buffers[k] = c
             c.copy_(t, non_blocking=gpu)
             on_gpu = on_gpu or gpu
-            out[k] = c
+            out[k] = c if dt is None else _like(dt, c)
             nbytes += c.numel() * c.element_size()
         else:
             out[k] = copy.deepcopy(v)
@@ -108,4 +119,13 @@ def stage(flat: dict[str, Any], keys: tuple[str, ...] | list[str],
     return out, nbytes
 
 
-__all__ = ["OBJECT_SIZE", "flatten", "int_keys_back", "shapes_of", "sizes_of", "stage"]
+def _like(dt: Any, local: torch.Tensor) -> Any:
+    """A DTensor with ``dt``'s mesh, placements and global shape around the staged local
+    shard: DCP then writes this rank's chunk at its offset (no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape,
+                              stride=dt.stride())
+
+
+__all__ = ["OBJECT_SIZE", "flatten", "int_keys_back", "is_dtensor", "sharded_keys", "shapes_of", "sizes_of", "stage"]

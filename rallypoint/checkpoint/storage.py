@@ -187,7 +187,8 @@ def merge_metadata(parts: list[Metadata]) -> Metadata:
         for key, meta in md.state_dict_metadata.items():
             have = out.state_dict_metadata.get(key)
             if isinstance(have, TensorStorageMetadata) and isinstance(meta, TensorStorageMetadata):
-                have.chunks.extend(meta.chunks)
+                seen = {(tuple(c.offsets), tuple(c.sizes)) for c in have.chunks}  # a replicated shard: once
+                have.chunks.extend(c for c in meta.chunks if (tuple(c.offsets), tuple(c.sizes)) not in seen)
             else:
                 out.state_dict_metadata[key] = meta
         out.planner_data.update(md.planner_data or {})
