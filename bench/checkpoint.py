@@ -133,6 +133,7 @@ def child(args: argparse.Namespace) -> int:
             t_done = time.time()
             st = ck.stats()
             res = {"t_go": t_go, "t_staged": t_staged, "t_done": t_done, "bytes": st["last_bytes"], "ok": ok,
+                   "copy_s": st["last_stall_s"],
                    "failures": st["failures"], "commits": st["commits"]}
         out.write(json.dumps(res) + "\n")
         out.flush()
@@ -193,6 +194,8 @@ def main() -> int:
                 else:
                     ours[g].append({
                         "stall_s": max(r["t_staged"] - r["t_go"] for r in got[0]),
+                        "stalls": [round(r["t_staged"] - r["t_go"], 4) for r in got[0]],
+                        "copies": [round(r["copy_s"], 4) for r in got[0]],
                         "write_s": max(r["t_done"] for r in got[1]) - min(r["t_go"] for r in got[1]),
                         "bytes": [r["bytes"] for r in got[1]],
                     })
@@ -219,6 +222,8 @@ def main() -> int:
                      "/".join(f"{b / 2**20:.0f}" for b in per)])
         out["groups"][str(g)] = {"stall_s": round(stall, 4), "stall_ratio": round(stall / sync_s, 4),
                                  "write_s": round(write, 3), "bytes_per_group": per,
+                                 "stalls_per_group": [r["stalls"] for r in ours[g]],
+                                 "staging_only": [r["copies"] for r in ours[g]],
                                  "max_share": round(max(per) / max(1, sum(per)), 4)}
     print(f"durable checkpoint of {args.gb:g} GB on {device}, median of {args.reps} (sync and ours interleaved)")
     print(table(["writer", "stall ms", "stall / sync", "write wall s", "MiB per group"], rows))
