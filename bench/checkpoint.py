@@ -23,7 +23,9 @@ each repetition:
   previous checkpoint, as in training (a warm-up round first, not counted). Bytes per
   group: what each writer reports.
 
-Stall ratio = median(ours stall, worst group) / median(sync stall), per G. On a GPU the
+Stall ratio = median(ours stall, worst group) / median(sync stall), per G; the best
+(smallest) stalls are printed too, since on a shared machine a copy is sometimes
+descheduled for far longer than it takes. On a GPU the
 staging copy is a device-to-pinned-host copy; on this CPU-only machine it is a memcpy.
 All processes share this machine's cores and disk: the write wall times say how the
 writes divide, not what G separate hosts would see. Prints a table and one JSON line.
@@ -212,21 +214,24 @@ def main() -> int:
     total = int(args.gb * 2**30)
     sync_s = median(sync)
     rows, out = [], {"bench": "checkpoint", "gb": args.gb, "device": device, "reps": args.reps,
-                     "sync_stall_s": round(sync_s, 4), "groups": {}}
-    rows.append(["sync DCP save, 1 group", f"{sync_s * 1000:.0f}", "1.000", f"{sync_s:.2f}", f"{total / 2**20:.0f}"])
+                     "sync_stall_s": round(sync_s, 4), "sync_best_s": round(min(sync), 4), "groups": {}}
+    rows.append(["sync DCP save, 1 group", f"{sync_s * 1000:.0f}", f"{min(sync) * 1000:.0f}", "1.000", f"{sync_s:.2f}",
+                 f"{total / 2**20:.0f}"])
     for g in groups:
         stall = median([r["stall_s"] for r in ours[g]])
         write = median([r["write_s"] for r in ours[g]])
         per = ours[g][-1]["bytes"]
-        rows.append([f"ours, G={g}", f"{stall * 1000:.0f}", f"{stall / sync_s:.3f}", f"{write:.2f}",
+        best = min(r["stall_s"] for r in ours[g])
+        rows.append([f"ours, G={g}", f"{stall * 1000:.0f}", f"{best * 1000:.0f}", f"{stall / sync_s:.3f}", f"{write:.2f}",
                      "/".join(f"{b / 2**20:.0f}" for b in per)])
         out["groups"][str(g)] = {"stall_s": round(stall, 4), "stall_ratio": round(stall / sync_s, 4),
+                                 "best_stall_s": round(best, 4),
                                  "write_s": round(write, 3), "bytes_per_group": per,
                                  "stalls_per_group": [r["stalls"] for r in ours[g]],
                                  "staging_only": [r["copies"] for r in ours[g]],
                                  "max_share": round(max(per) / max(1, sum(per)), 4)}
     print(f"durable checkpoint of {args.gb:g} GB on {device}, median of {args.reps} (sync and ours interleaved)")
-    print(table(["writer", "stall ms", "stall / sync", "write wall s", "MiB per group"], rows))
+    print(table(["writer", "stall ms (median)", "best", "stall / sync", "write wall s", "MiB per group"], rows))
     print(json.dumps(out))
     return 0
 

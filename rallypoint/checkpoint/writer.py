@@ -113,13 +113,13 @@ class Writer:
 
     def submit(self, job: Job) -> bool:
         """Queue a staged share; False (and counted as skipped) while one is in flight."""
-        if self.busy():
-            with self._lock:
+        with self._lock:
+            if self.busy():
                 self.counters.skipped += 1
-            return False
-        self._idle.clear()
-        self._done.clear()
-        self._q.put(job)
+                return False
+            self._idle.clear()
+            self._done.clear()
+            self._q.put_nowait(job)
         return True
 
     def wait(self, timeout: float) -> bool:
@@ -167,8 +167,9 @@ class Writer:
                 finally:
                     self._idle.set()
             self._poll_commits()
-            if self._idle.is_set() and not self._pending:
-                self._done.set()
+            with self._lock:  # not between a submit's clear and its put
+                if self._idle.is_set() and not self._pending and self._q.empty():
+                    self._done.set()
             if job is None:
                 return
 
