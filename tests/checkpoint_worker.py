@@ -7,7 +7,8 @@ line per event to ``OUT``: ``{"resume": step, "hash": h}`` after its first
 ``start_quorum`` (a restore happens there), then ``{"step": s, "hash": h}`` after each
 committed step (the parameters' hash: what the test compares with a restore). At
 ``PAUSE_AT`` it stops training and waits (at most 120 s) to be killed; at ``STOP_AT`` it
-shuts down cleanly.
+shuts down cleanly. With ``CHECKPOINT_TEST_GO=FILE`` it creates ``OUT.ready`` once its
+Manager is up, and starts training when ``FILE`` exists.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 
 def main(lighthouse: str, name: str, out: str, pause_at: int, stop_at: int) -> int:
@@ -54,6 +57,11 @@ def main(lighthouse: str, name: str, out: str, pause_at: int, stop_at: int) -> i
     gen = torch.Generator().manual_seed(7)
     first = True
     t_end = time.monotonic() + 120
+    go = os.environ.get("CHECKPOINT_TEST_GO")  # wait for every group to be up (the test creates it)
+    if go:
+        Path(out + ".ready").touch()
+        while not os.path.exists(go) and time.monotonic() < t_end:
+            time.sleep(0.05)
     try:
         while m.current_step() < stop_at and time.monotonic() < t_end:
             if m.current_step() >= pause_at:

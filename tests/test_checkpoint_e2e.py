@@ -100,11 +100,16 @@ def test_group_killed_mid_share_leaves_step_incomplete(tmp_path: Path, procs, cl
     """g2 is SIGKILLed after writing its share's data at step 10, before its done-marker:
     step 10 is never marked complete; the survivors' step 20 is."""
     ckpt = tmp_path / "ckpt"
+    go = tmp_path / "go"  # every group in the quorum from step 0 on, so g2 writes a share of step 10
     env = {"RALLYPOINT_CHECKPOINT_DIR": str(ckpt), "RALLYPOINT_CHECKPOINT_EVERY": "10",
-           "RALLYPOINT_CHECKPOINT_KEEP": "0", "RALLYPOINT_CHECKPOINT_COMMIT_TIMEOUT_SEC": "3"}
+           "RALLYPOINT_CHECKPOINT_KEEP": "0", "RALLYPOINT_CHECKPOINT_COMMIT_TIMEOUT_SEC": "3",
+           "CHECKPOINT_TEST_GO": str(go)}
     lh = cli_lighthouse(min_replicas=2, extra=["--join-timeout-ms", "20000"], name="lh")
     groups = start_groups(procs, lh.address, tmp_path, 1, pause_at=10**6, stop_at=22, env=env,
                           extra_env={"g2": {"RALLYPOINT_CHECKPOINT_TEST_DIE": "share:10"}})
+    wait_until(lambda: all((tmp_path / f"{g}.1.jsonl.ready").exists() for g in GROUPS), timeout=120,
+               what=f"3 groups up\n{logs(tmp_path)}")
+    go.touch()
     assert groups[2].wait(120) == -signal.SIGKILL, logs(tmp_path)
     s10, s20 = ckpt / "step_00000010", ckpt / "step_00000020"
     # Right after the kill (writer 0 waits 3 s for the missing share): g2's data landed,
