@@ -345,3 +345,19 @@ def test_plan_share_sharded_keys_go_to_every_rank_of_one_group() -> None:
     shares = {(r, g): plan_share(2, sizes, r, 2, g, 2, "a", {"w1", "w2"}).keys for r in range(2) for g in range(2)}
     assert shares[(0, 0)] == ("b", "w1") and shares[(0, 1)] == ("n", "w1")  # both ranks of group 0: w1's shards
     assert shares[(1, 0)] == ("w2",) and shares[(1, 1)] == ("w2",)
+
+
+def test_bad_environment_shuts_the_manager_down(monkeypatch) -> None:
+    """What ``Manager.__init__`` calls with ``RALLYPOINT_CHECKPOINT_DIR`` set: a bad
+    ``RALLYPOINT_CHECKPOINT_EVERY`` is a ``ValueError`` naming it, after the half-built
+    Manager was shut down (its server and threads do not outlive the error)."""
+    from rallypoint.checkpoint.durable import attach_from_env
+
+    m = FakeManager(0, 1)
+    calls: list[bool] = []
+    m.shutdown = lambda wait=True: calls.append(wait)  # type: ignore[attr-defined]
+    monkeypatch.setenv("RALLYPOINT_CHECKPOINT_DIR", "/nowhere")
+    monkeypatch.setenv("RALLYPOINT_CHECKPOINT_EVERY", "0")
+    with pytest.raises(ValueError, match="RALLYPOINT_CHECKPOINT_EVERY=0 must be at least 1"):
+        attach_from_env(m)
+    assert calls == [False] and m.step_hooks == []

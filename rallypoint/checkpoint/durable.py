@@ -253,6 +253,17 @@ class DurableCheckpoint:
         return d
 
 
+def attach_from_env(manager: Any) -> DurableCheckpoint | None:
+    """What ``Manager.__init__`` calls when ``RALLYPOINT_CHECKPOINT_DIR`` is set: the
+    checkpointer of :meth:`DurableCheckpoint.from_env`; bad settings shut the half-built
+    Manager down (its server and threads) before the ``ValueError`` that names them."""
+    try:
+        return DurableCheckpoint.from_env(manager)
+    except BaseException:
+        manager.shutdown(wait=False)
+        raise
+
+
 def load_checkpoint(store: storage.Store, folder: str) -> dict[str, Any]:
     """Every key of the DCP checkpoint in ``folder``, as the nested state it was saved from."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -286,4 +297,4 @@ def _env_int(environ: Mapping[str, str], name: str, default: int, least: int) ->
     return value
 
 
-__all__ = ["DurableCheckpoint", "ENV_DIR", "ENV_EVERY", "ENV_KEEP", "load_checkpoint", "load_into"]
+__all__ = ["DurableCheckpoint", "attach_from_env", "ENV_DIR", "ENV_EVERY", "ENV_KEEP", "load_checkpoint", "load_into"]

@@ -199,8 +199,8 @@ class Manager(GroupConnection):
             raise
         self._ff.replica_id = self._injector.replica = self._replica_id
         if os.environ.get("RALLYPOINT_CHECKPOINT_DIR"):  # durable checkpoints with no code change
-            from rallypoint.checkpoint import DurableCheckpoint
-            DurableCheckpoint.from_env(self)
+            from rallypoint.checkpoint.durable import attach_from_env
+            attach_from_env(self)
 
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
