@@ -361,3 +361,40 @@ def test_bad_environment_shuts_the_manager_down(monkeypatch) -> None:
     with pytest.raises(ValueError, match="RALLYPOINT_CHECKPOINT_EVERY=0 must be at least 1"):
         attach_from_env(m)
     assert calls == [False] and m.step_hooks == []
+
+
+def test_full_disk_is_logged_once_counted_and_the_next_write_after_it_completes(tmp_path: Path, caplog,
+                                                                               monkeypatch) -> None:
+    """ENOSPC from every share's write (a full disk): one error line naming the cause,
+    every failure counted, training goes on, the last complete checkpoint stays; once
+    there is space again the next interval completes."""
+    import errno
+
+    from rallypoint.checkpoint import storage
+
+    ms, cks = run_job(tmp_path, 2, 2, every=2)
+    real = storage._LocalShareWriter.write_data
+
+    def full(self: Any, plan: Any, planner: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage._LocalShareWriter, "write_data", full)
+    with caplog.at_level(logging.ERROR, logger="rallypoint.checkpoint"):
+        for _ in range(4):  # steps 3..6: 4 and 6 are due, each fails on both groups
+            for m in ms:
+                m.train()
+                m.boundary()
+            for c in cks:
+                assert c.wait(30)
+    assert [m.step for m in ms] == [6, 6]
+    assert [c.stats()["failures"] for c in cks] == [2, 2]
+    assert caplog.text.count("(ENOSPC)") == 2  # once per group (each its own process in a job)
+    assert sorted(p.name for p in tmp_path.iterdir() if (p / ".rallypoint-complete").exists()) == ["step_00000002"]
+    monkeypatch.setattr(storage._LocalShareWriter, "write_data", real)
+    for _ in range(2):
+        for m in ms:
+            m.train()
+            m.boundary()
+        for c in cks:
+            assert c.wait(30)
+    assert cks[0].stats()["last_complete_step"] == 8

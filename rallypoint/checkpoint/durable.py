@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from rallypoint.checkpoint import stage as _stage
 from rallypoint.checkpoint import storage
 from rallypoint.checkpoint.plan import first_mismatch, is_due, plan_share
+from rallypoint.checkpoint.storage import ERRORS
 from rallypoint.checkpoint.writer import Job, Writer
 
 log = logging.getLogger("rallypoint.checkpoint")
@@ -110,7 +111,7 @@ class DurableCheckpoint:
                 return
         try:
             self.maybe_save()
-        except Exception as e:  # noqa: BLE001  (a checkpoint never fails a training step)
+        except ERRORS as e:  # noqa: BLE001  (a checkpoint never fails a training step)
             self._writer.failed("checkpointing", e)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -120,7 +121,7 @@ class DurableCheckpoint:
         if self._started:
             try:
                 self.maybe_save()
-            except Exception as e:  # noqa: BLE001
+            except ERRORS as e:  # noqa: BLE001
                 self._writer.failed("checkpointing", e)
         self._writer.close(timeout)
 
@@ -148,7 +149,7 @@ class DurableCheckpoint:
             share = plan_share(step, _stage.sizes_of(flat), int(rec.replica_rank), int(rec.replica_world_size),
                                int(m.group_rank), int(m.group_world_size), attempt, _stage.sharded_keys(flat))
             data, nbytes = _stage.stage(flat, share.keys, self._buffers)
-        except Exception as e:  # noqa: BLE001
+        except ERRORS as e:  # noqa: BLE001
             self._writer.failed(f"staging step {step}", e)
             return False
         stall = time.monotonic() - t0
@@ -179,7 +180,7 @@ class DurableCheckpoint:
         ones are skipped with a warning naming them."""
         try:
             steps = self._store.steps()
-        except Exception as e:  # noqa: BLE001
+        except ERRORS as e:  # noqa: BLE001
             self._writer.failed("listing checkpoints", e)
             return None
         for s in steps:
@@ -216,7 +217,7 @@ class DurableCheckpoint:
                 else:
                     loaded = load_checkpoint(self._store, folder)
                     _stage.int_keys_back(loaded, marker.get("int_keyed", []))
-            except Exception as e:  # noqa: BLE001
+            except ERRORS as e:  # noqa: BLE001
                 log.warning("[%s] skipping checkpoint %s: it failed to load: %s: %s", self.label, folder,
                             type(e).__name__, e)
                 found = self._older_complete(step)

@@ -30,10 +30,15 @@ from typing import Any
 
 import fsspec
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from rallypoint.checkpoint.plan import parse_step_dir, step_dir_name
+
+#: What a failed save or load raises: DCP wraps errors in a ``CheckpointException``, which
+#: is a ``BaseException`` (so ``except Exception`` would let it kill the writer thread).
+ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 
 MARKER = ".rallypoint-complete"
 METADATA = ".metadata"
@@ -223,7 +228,7 @@ def check_complete(store: Store, folder: str) -> tuple[dict[str, Any] | None, st
         return None, f"unreadable commit marker: {e}"
     try:
         md = read_metadata(store, j(METADATA))
-    except Exception as e:  # noqa: BLE001
+    except ERRORS as e:  # noqa: BLE001
         return None, f"unreadable {METADATA}: {type(e).__name__}: {e}"
     ends: dict[str, int] = {}
     for info in md.storage_data.values():
@@ -239,5 +244,5 @@ def check_complete(store: Store, folder: str) -> tuple[dict[str, Any] | None, st
     return marker, ""
 
 
-__all__ = ["MARKER", "METADATA", "Store", "check_complete", "has_scheme", "merge_metadata", "read_metadata",
+__all__ = ["ERRORS", "MARKER", "METADATA", "Store", "check_complete", "has_scheme", "merge_metadata", "read_metadata",
            "share_metadata_name", "share_prefix", "write_marker"]

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 from rallypoint.checkpoint import storage
 from rallypoint.checkpoint.plan import Share, prune
+from rallypoint.checkpoint.storage import ERRORS
 
 log = logging.getLogger("rallypoint.checkpoint")
 # Every share is one process's own dcp.save (no_dist), on purpose: not worth a warning each time.
@@ -66,8 +67,20 @@ class Counters:
         return d
 
 
+def unwrap(e: BaseException) -> BaseException:
+    """The first underlying error of a DCP ``CheckpointException`` (it wraps each rank's)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        for v in failures.values():
+            inner = v[0] if isinstance(v, tuple) and v else v
+            if isinstance(inner, BaseException):
+                return inner
+    return e
+
+
 def cause_of(e: BaseException) -> str:
     """A short name for a failure's cause, so each is logged once (``ENOSPC``, ``EACCES``, ...)."""
+    e = unwrap(e)
     for x in (e, e.__cause__, e.__context__):
         if isinstance(x, OSError) and x.errno:
             return errno.errorcode.get(x.errno, str(x.errno))
@@ -139,6 +152,7 @@ class Writer:
     def failed(self, what: str, e: BaseException) -> None:
         """Count a failure; log it in full the first time its cause is seen."""
         cause = cause_of(e)
+        e = unwrap(e)
         with self._lock:
             self.counters.failures += 1
             first = cause not in self.counters.causes
@@ -162,7 +176,7 @@ class Writer:
             if isinstance(job, Job):
                 try:
                     self._write(job)
-                except Exception as e:  # noqa: BLE001
+                except ERRORS as e:  # noqa: BLE001
                     self.failed(f"step {job.share.step} (share {job.share.index}/{job.share.writers})", e)
                 finally:
                     self._idle.set()
@@ -208,7 +222,7 @@ class Writer:
                         f"step {share.step} stays incomplete: {len(p.missing)} of {share.writers} shares did not land "
                         f"within {self.commit_timeout:.0f}s (first missing: {p.missing[0]}); the next interval "
                         "tries again")
-            except Exception as e:  # noqa: BLE001
+            except ERRORS as e:  # noqa: BLE001
                 if p in self._pending:
                     self._pending.remove(p)
                 self.failed(f"committing step {share.step}", e)
@@ -244,7 +258,7 @@ class Writer:
             try:
                 self.store.remove_tree(self.store.step_dir(s))
                 log.info("[%s] pruned checkpoint step %d (keep=%d)", self.label, s, self.keep)
-            except Exception as e:  # noqa: BLE001
+            except ERRORS as e:  # noqa: BLE001
                 self.failed(f"pruning step {s}", e)
 
 
