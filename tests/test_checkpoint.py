@@ -398,3 +398,17 @@ def test_full_disk_is_logged_once_counted_and_the_next_write_after_it_completes(
         for c in cks:
             assert c.wait(30)
     assert cks[0].stats()["last_complete_step"] == 8
+
+
+def test_garbage_in_the_newest_data_is_skipped_for_the_previous_one(tmp_path: Path, caplog) -> None:
+    """Data files of the right size but garbage inside: loading fails, the warning names the
+    folder, and the previous complete checkpoint is restored."""
+    run_job(tmp_path, 2, 4, every=2)
+    for f in (tmp_path / "step_00000004").glob("*.distcp"):
+        f.write_bytes(b"\x00garbage" * (f.stat().st_size // 8) + b"\x00" * (f.stat().st_size % 8))
+    m = FakeManager(0, 2, seed=3)
+    ck = DurableCheckpoint(m, str(tmp_path), every=2)
+    with caplog.at_level(logging.WARNING, logger="rallypoint.checkpoint"):
+        m.boundary()
+    assert ck.restored_step == 2 and m.step == 2
+    assert "skipping checkpoint" in caplog.text and "step_00000004: it failed to load" in caplog.text
