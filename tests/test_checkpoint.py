@@ -412,3 +412,23 @@ def test_garbage_in_the_newest_data_is_skipped_for_the_previous_one(tmp_path: Pa
         m.boundary()
     assert ck.restored_step == 2 and m.step == 2
     assert "skipping checkpoint" in caplog.text and "step_00000004: it failed to load" in caplog.text
+
+
+def test_memory_url_an_object_store_without_rename(tmp_path: Path) -> None:
+    """fsspec's ``memory://`` (no atomic rename, as on object stores: the marker is one
+    upload): written, pruned with keep=1, restored."""
+    import fsspec
+
+    url = f"memory://rallypoint-test/{tmp_path.name}"
+    try:
+        ms, cks = run_job(url, 2, 4, every=2, keep=1)
+        assert [c.stats()["failures"] for c in cks] == [0, 0] and cks[0].stats()["last_complete_step"] == 4
+        names = [p.rsplit("/", 1)[-1] for p in fsspec.filesystem("memory").ls(f"/rallypoint-test/{tmp_path.name}",
+                                                                              detail=False)]
+        assert names == ["step_00000004"]
+        m = FakeManager(0, 2, seed=4)
+        DurableCheckpoint(m, url, every=2)
+        m.boundary()
+        assert m.step == 4 and all(torch.equal(a, b) for a, b in zip(m.params(), ms[0].params()))
+    finally:
+        fsspec.filesystem("memory").rm(f"/rallypoint-test/{tmp_path.name}", recursive=True)
