@@ -151,6 +151,7 @@ class Manager(GroupConnection):
             raise ValueError(f"rank {self._group_rank} is not in a replica group of {self._group_world_size}")
 
         self._user_state = UserState()
+        self.step_hooks: list[Any] = []  # at_boundary()/close() at each round's start / shutdown: rallypoint/checkpoint
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
 
@@ -202,6 +203,9 @@ class Manager(GroupConnection):
             raise
         self._ff.replica_id = self._injector.replica = self._replica_id
         self._configurer.set_replica(self._replica_id, hostname)
+        if os.environ.get("RALLYPOINT_CHECKPOINT_DIR"):  # durable checkpoints with no code change
+            from rallypoint.checkpoint.durable import attach_from_env
+            attach_from_env(self)
 
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
@@ -259,6 +263,8 @@ class Manager(GroupConnection):
         is off); the process group is reconfigured if the membership changed."""
         if self._quorum_future is not None:
             self._wait_future()
+        for hook in self.step_hooks:  # the last round committed and the optimizer stepped: a durable checkpoint
+            hook.at_boundary()
         now = time.monotonic()
         prev = self._cur.rec
         if prev.round and prev.ended is None:  # a round that never reached should_commit
@@ -583,6 +589,8 @@ class Manager(GroupConnection):
         """Stop the quorum thread, the transport, the client and (rank 0) the server."""
         _progress.finished(self.current_step())  # a supervising `rallypoint run` stops timing this rank
         self._closing.set()
+        for hook in getattr(self, "step_hooks", ()):
+            hook.close()
         self._executor.shutdown(wait=wait, cancel_futures=True)
         if self._relay is not None:
             self._relay.close()
