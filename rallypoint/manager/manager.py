@@ -54,7 +54,7 @@ from rallypoint.manager._outage import Outage, quorum_failure
 from rallypoint.manager._peer_relay import PeerDownRelay
 from rallypoint.manager._record import Round as _Round, RoundLog, StepRecord, cause_of
 from rallypoint.manager._state import UserState
-from rallypoint.manager._work import DoneWork, ManagedWork, allreduce_args
+from rallypoint.manager._work import DoneWork, ManagedWork, allreduce_args, neutral_fill
 from rallypoint.manager.recovery import QuorumResult
 from rallypoint.process_groups.protocols import ReconfigurableProcessGroup
 from rallypoint.transports.base import CheckpointTransportLike
@@ -202,6 +202,12 @@ class Manager(GroupConnection):
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
         """Add state under ``key`` to what heals send (``state_dict``) and apply (``load_state_dict``)."""
         self._user_state.register(key, load_state_dict, state_dict)
+
+    def set_state_dict_fns(self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
+        """Deprecated (torchft 0.2's name, which TorchTitan calls): :meth:`register_state_dict_fn`
+        under torchft's key ``"set_state_dict_fns"``."""
+        self._log.warning("set_state_dict_fns is deprecated, use register_state_dict_fn")
+        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
 
     def register_sdc_params(self, params: Any) -> None:
         """The parameters the corruption check compares across replicas every
@@ -456,7 +462,7 @@ class Manager(GroupConnection):
         allreduce_args(should_quantize, reduce_op, zeros, who)
         contributes = self.is_participating()
         if not contributes:
-            tensor.zero_()
+            neutral_fill(reduce_op, tensor)  # zeros for SUM/AVG; -inf for MAX, ...
         if self._injector.on_collective(tensor, contributes) == "drop":
             self._ff.abort(RuntimeError("injected fault: drop-collective"), "injected")
             return DoneWork(tensor)
