@@ -158,7 +158,9 @@ class Healer:
     def fetch(self, q: QuorumResult, into: Any = None, mesh: Any = None) -> dict[str, Any]:
         """The state of step ``q.max_step`` from our assigned source. ``into``: our current
         state (received tensors are verified, then copied into its matching tensors, and
-        DTensors are rebuilt on its meshes); ``mesh``: the mesh for DTensors ``into`` lacks."""
+        DTensors are rebuilt on its meshes); ``mesh``: the mesh for DTensors ``into`` lacks
+        (unset, with our transports: they arrive as ``SentDTensor`` and are placed on this
+        replica's meshes when the state is applied, :func:`._heal_step.place_dtensors`)."""
         src = q.recover_src_replica_rank
         if src is None:
             raise RuntimeError(f"quorum {q.quorum_id} says heal but names no recovery source")
@@ -176,6 +178,10 @@ class Healer:
         extra: dict[str, Any] = {}
         if into is not None:
             extra["into"] = into
+        if mesh is None and type(self._transport).__module__.startswith("rallypoint."):
+            from rallypoint.transports.wire import DEFER
+
+            mesh = DEFER  # DTensors with no target arrive as SentDTensor, placed when applied (_heal_step)
         if mesh is not None:
             extra["mesh"] = mesh
         state = self._transport.recv_checkpoint(src_rank=src, metadata=meta, step=q.max_step, timeout=self._timeout,

@@ -49,6 +49,7 @@ from rallypoint.manager._failfast import FailFast
 from rallypoint._net.inject import parse_injections
 from rallypoint.manager._guard import SdcGuard
 from rallypoint.manager._heal import Healer
+from rallypoint.manager._heal_step import heal_here
 from rallypoint.manager._inject import Injector
 from rallypoint.manager._outage import Outage, quorum_failure
 from rallypoint.manager._peer_relay import PeerDownRelay
@@ -92,7 +93,9 @@ class Manager(GroupConnection):
         init_sync: at step 0, non-primary groups heal from the primary, so all start equal (True).
         max_retries: raise after this many consecutive failed steps (None: never).
         quorum_retries: retries of a failed quorum call before the step fails (0).
-        heal_on_training_thread: serve and apply heals on the training thread (FSDP2 needs it).
+        heal_on_training_thread: serve and fetch heals on the training thread, never reading the state
+            while forward runs (True; False: on the quorum thread, overlapped with forward, for state that
+            may be read then: not FSDP2's; see ``_heal.py``).
         sdc_check: compare gradients across replicas before each commit (``RALLYPOINT_SDC_CHECK``).
         sdc_check_every: compare parameter hashes every N commits (``RALLYPOINT_SDC_CHECK_EVERY``; 0: off).
     """
@@ -121,7 +124,7 @@ class Manager(GroupConnection):
         init_sync: bool = True,
         max_retries: int | None = None,
         quorum_retries: int = 0,
-        heal_on_training_thread: bool = False,
+        heal_on_training_thread: bool = True,
         sdc_check: bool | None = None,
         sdc_check_every: int | None = None,
     ) -> None:
@@ -405,40 +408,7 @@ class Manager(GroupConnection):
             self.report_error(e)
 
     def _heal_here(self) -> None:
-        """Serve and/or fetch this quorum's heal on the calling (training) thread when
-        ``heal_on_training_thread``, then apply a received state. The sender serves its
-        state even when its step failed (that state is still the step's state) so the
-        healing peer is not left waiting for a publication that never comes."""
-        rnd = self._cur
-        q, rnd.heal_plan = rnd.heal_plan, None
-        t0 = time.monotonic()
-        if q is not None:
-            self._ff.heal_busy = True
-            try:
-                if self._healer.serves(q):
-                    self._healer.serve(q, self._manager_state_dict())
-                    rnd.served_here = True
-                if q.heal:
-                    rnd.pending = self._healer.fetch(q, into=self._manager_state_dict(), mesh=self.heal_mesh)
-            except Exception as e:  # noqa: BLE001
-                self._log.warning("recovery failed: %s", e)
-                self.report_error(e)
-            finally:
-                self._ff.heal_busy = False
-        if rnd.apply_due:  # a received state: applied here, on the training thread
-            pending, rnd.pending, rnd.apply_due = rnd.pending, None, False
-            try:
-                if pending is None:
-                    raise RuntimeError("healing was required but no state was received")
-                self._user_state.apply(pending, self.load_state_dict)
-                self._log.info("applied healed state: step %d", self._step)
-            except Exception as e:  # noqa: BLE001
-                self.report_error(e)
-        if q is not None or rnd.rec.healing:
-            dt = time.monotonic() - t0
-            rnd.rec.heal_s += dt
-            if rnd.rec.first_collective is None:
-                rnd.rec.heal_before_s += dt
+        heal_here(self)  # see _heal_step.py
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
