@@ -318,8 +318,8 @@ class Manager(GroupConnection):
                       stats: dict[str, Any] | None) -> None:
         assert self._client is not None
         rec = rnd.rec
-        if self._outage.pause:
-            self._closing.wait(self._outage.pause)  # the bounded backoff; shutdown ends it
+        if self._outage.pause or self._healer.backoff_s():  # bounded backoffs (no lighthouse; failed heals)
+            self._closing.wait(max(self._outage.pause, self._healer.backoff_s()))  # shutdown ends it
         try:
             q = self._client._quorum(
                 group_rank=self._group_rank,
