@@ -61,12 +61,17 @@ class Replica:
         self.opt.step()
 
     def shards(self) -> dict[str, torch.Tensor]:
-        out = {f"p.{n}": p.to_local().detach().clone() for n, p in self.model.named_parameters()}
+        out = {f"p.{n}": _local(p) for n, p in self.model.named_parameters()}
         for i, p in enumerate(self.model.parameters()):
             for k, v in self.opt.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    out[f"o.{i}.{k}"] = v.to_local().detach().clone()
+                    out[f"o.{i}.{k}"] = _local(v)
         return out
+
+
+def _local(t: Any) -> torch.Tensor:
+    """A copy of a DTensor's local shard."""
+    return t.to_local().detach().clone()
 
 
 def _same(a: Replica, b: Replica) -> None:
