@@ -7,6 +7,7 @@ of the same shape; no mesh at all is an error naming the key."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -148,3 +149,74 @@ def test_a_dtensor_with_no_mesh_to_go_on_names_its_key(mesh1: Any) -> None:
     other.meta["mesh_shape"] = [2]
     with pytest.raises(ValueError, match="momentum_buffer"):
         rebuild_dtensors(received, {"w": DTensor.from_local(torch.ones(1), mesh1, [Shard(0)])})
+
+
+# ------------------------------------------------------------------ through real Managers
+@pytest.mark.parametrize("training_thread", [True, False], ids=["training_thread", "quorum_thread"])
+def test_manager_heals_a_late_replicas_dtensor_state_by_default(mesh1: Any, lighthouse: Any,
+                                                                training_thread: bool) -> None:
+    """TorchTitan's way: DTensor parameters, plain ``state_dict()``s registered with
+    ``set_state_dict_fns``, no ``into=``/``mesh=``/``heal_mesh`` anywhere. A replica joining
+    at step 3 (fresh SGD: no momentum_buffer yet) heals from its peer, whichever thread heals,
+    and both end with identical parameters and momentum."""
+    import concurrent.futures as cf
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from rallypoint.manager import Manager
+    from rallypoint.process_groups import ProcessGroupGloo
+
+    lh = lighthouse(min_replicas=1, join_timeout_ms=300)
+    target = 8
+
+    def replica(name: str, seed: int, started: threading.Event | None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(seed)
+        model = nn.Linear(6, 4)
+        for n, p in list(model.named_parameters()):
+            setattr(model, n, nn.Parameter(distribute_tensor(p.detach(), mesh1, [Shard(0)])))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+        m = Manager(pg, None, None, min_replica_size=1, rank=0, world_size=1, hostname="127.0.0.1",
+                    store_addr="127.0.0.1", lighthouse_addr=lh.address(), replica_id=name,
+                    timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=20),
+                    connect_timeout=timedelta(seconds=10), heal_on_training_thread=training_thread)
+        m.set_state_dict_fns(lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["optim"])),
+                             lambda: {"model": model.state_dict(), "optim": opt.state_dict()})
+        try:
+            deadline = time.monotonic() + 60
+            while m.current_step() < target and time.monotonic() < deadline:
+                if started is not None and m.current_step() >= 3:
+                    started.set()  # the late replica may start now
+                m.start_quorum()
+                g = torch.Generator().manual_seed(m.current_step())
+                x = distribute_tensor(torch.randn(8, 6, generator=g), mesh1, [Shard(0)])
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                for p in model.parameters():
+                    assert isinstance(p.grad, DTensor)
+                    m.allreduce(p.grad.to_local()).wait()
+                if m.should_commit():
+                    opt.step()
+                time.sleep(0.02)
+            assert m.current_step() >= target, f"{name} stuck at step {m.current_step()}: {m.errored()}"
+            out = {f"p.{n}": _local(p) for n, p in model.named_parameters()}
+            out["healed"] = torch.tensor([any(r.healing and r.outcome == "committed" for r in m.step_records())])
+            for i, p in enumerate(model.parameters()):
+                out[f"m.{i}"] = _local(opt.state[p]["momentum_buffer"])
+            return out
+        finally:
+            m.shutdown(wait=False)
+            pg.shutdown()
+
+    early = threading.Event()
+    with cf.ThreadPoolExecutor(2) as ex:
+        a = ex.submit(replica, "dt_a", 1, early)
+        assert early.wait(60), a.exception(timeout=1) if a.done() else "replica a never reached step 3"
+        b = ex.submit(replica, "dt_b", 2, None)
+        sa, sb = a.result(timeout=90), b.result(timeout=90)
+    assert sb.pop("healed").item() and not sa.pop("healed").item()  # b healed (and committed that round)
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
