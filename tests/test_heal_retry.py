@@ -169,3 +169,24 @@ def test_diloco_start_round_gives_up_at_the_quorum_timeout(lighthouse) -> None:
     lh = lighthouse(min_replicas=1)
     with pytest.raises(RuntimeError, match=r"start round failed \d+ times over .* the quorum timeout \(2 s\)"):
         _diloco_start(lh, fail_rounds=10**6, timeout_s=1.0)
+
+
+class _Foreign:
+    """A transport of someone else's (torchft's signature): no into=/mesh=."""
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        return {}
+
+
+class _Kw:
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta, **kw: Any) -> Any:
+        return kw
+
+
+@pytest.mark.parametrize("transport,takes", [(HTTPTransport, True), (_Foreign, False), (_Kw, True), (object, False)])
+def test_into_and_mesh_go_only_to_a_transport_that_takes_them(transport: Any, takes: bool) -> None:
+    from rallypoint.manager._heal import _takes_into
+    from rallypoint.transports.pg import PGTransport
+
+    assert _takes_into(PGTransport)
+    assert _takes_into(transport) is takes

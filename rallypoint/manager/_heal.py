@@ -106,6 +106,19 @@ def materialise(tree: Any) -> Any:
     return tree
 
 
+def _takes_into(transport: object) -> bool:
+    """Whether ``transport.recv_checkpoint`` accepts ``into=``/``mesh=`` (ours do;
+    torchft's do not)."""
+    import inspect
+
+    try:
+        params = inspect.signature(transport.recv_checkpoint).parameters  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return ("into" in params and "mesh" in params) or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 #: ``0`` turns striped healing off: a healing replica fetches from its assigned source only.
 STRIPE_ENV = "RALLYPOINT_HEAL_STRIPE"
 
@@ -233,6 +246,8 @@ class Healer:
             mesh = DEFER  # DTensors with no target arrive as SentDTensor, placed when applied (_heal_step)
         if mesh is not None:
             extra["mesh"] = mesh
+        if extra and not _takes_into(self._transport):
+            extra = {}  # a transport not of ours (torchft's) takes neither: it builds the state itself
         state = self._transport.recv_checkpoint(src_rank=src, metadata=meta, step=q.max_step, timeout=timeout,
                                                 **extra)
         self._log.info("received the state of step %d", q.max_step)
