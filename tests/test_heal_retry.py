@@ -190,3 +190,33 @@ def test_into_and_mesh_go_only_to_a_transport_that_takes_them(transport: Any, ta
 
     assert _takes_into(PGTransport)
     assert _takes_into(transport) is takes
+
+
+# ------------------------------------------------------------------ end to end
+def test_source_dying_mid_transfer_the_joiner_heals_from_the_other_and_the_job_goes_on(lighthouse,
+                                                                                       tmp_path) -> None:
+    """Three replica processes; replica_0 (the joiner's assigned source) dies after sending
+    part of the heal's data. Striping off, so the joiner fetches from one source at a time:
+    it turns to replica_1, heals, and the job goes on; everyone ends identical."""
+    from replica_worker import Replicas
+
+    lh = lighthouse(min_replicas=1, join_timeout_ms=300, heartbeat_timeout_ms=30_000)
+    r = Replicas(tmp_path, lh.address(), env={_heal.STRIPE_ENV: "0"})
+    try:
+        opts: dict[str, Any] = {"delay": 0.05, "timeout": 10, "width": 80_000}  # a 1.3 MB weight
+        sender = r.start("replica_0", seed=1, fault={"at": "mid_transfer", "step": 3}, **opts)
+        r.start("replica_1", seed=2, **opts)
+        r.wait_for("two replicas at step 3", lambda: min(r.step("replica_0"), r.step("replica_1")) >= 3, 30)
+        r.start("replica_2", seed=3, **opts)
+        assert r.wait_dead(sender, 30) == -9, r.logs()
+        r.wait_for("replica_2 healed", lambda: r.step("replica_2") >= 4, 30)
+        names = ["replica_1", "replica_2"]
+        target = max(r.step(x) for x in names) + 3
+        r.finish(target, timeout=30)
+        r.assert_identical(names, target)
+        healer = "".join(f.read_text() for f in r.tmp.glob("replica_2.*.log"))
+        assert "heal from replica rank 0 failed" in healer, healer[-4000:]  # the source did die mid-heal
+        assert "trying another source" in healer, healer[-4000:]  # in the same quorum, not only the next
+        assert "healing to step" in healer and "from replica rank 1" in healer, healer[-4000:]
+    finally:
+        r.kill_all()
