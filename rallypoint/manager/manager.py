@@ -129,9 +129,9 @@ class Manager(GroupConnection):
         sdc_check_every: int | None = None,
     ) -> None:
         self._pg = pg
-        #: Serve and apply heals on the training thread (see the module docstring); the
-        #: FSDP helper turns it on. ``heal_mesh``: the mesh for received DTensors that the
-        #: current state lacks (e.g. optimizer state of a fresh replica).
+        #: Serve and fetch heals on the training thread (the default; see ``_heal.py``).
+        #: ``heal_mesh``: a mesh for received DTensors that the current state lacks (e.g. a
+        #: fresh replica's optimizer state) when none of its own has the sender's shape.
         self.heal_on_training_thread = bool(heal_on_training_thread)
         self.heal_mesh: Any = None
         self._min_replica_size = int(min_replica_size)
