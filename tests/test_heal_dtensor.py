@@ -103,9 +103,9 @@ def test_fresh_replica_heals_fsdp2_state_without_into_or_mesh(mesh1: Any) -> Non
     placed = place_dtensors(received, current, None)  # on the training thread
     assert calls == [1] and not has_sent_dtensors(placed)
     w = placed["model"]["0.weight"]
-    assert isinstance(w, DTensor) and w.device_mesh is mesh1
+    assert isinstance(w, DTensor) and w.device_mesh == mesh1
     exp_avg = placed["optim"]["state"][0]["exp_avg"]  # the receiver had none: built on the model's mesh
-    assert isinstance(exp_avg, DTensor) and exp_avg.device_mesh is mesh1
+    assert isinstance(exp_avg, DTensor) and exp_avg.device_mesh == mesh1
     dst.load(placed)
     _same(src, dst)
     for s in range(3, 5):  # both train on identically
