@@ -104,13 +104,12 @@ def test_a_source_dying_mid_transfer_is_replaced_by_another(sources: Any, monkey
         t.send_checkpoint(dst_ranks=[2], step=5, state_dict=state, timeout=timedelta(seconds=10))
     died = _dies_mid_transfer(a)
     healer = Healer(me, 0, timedelta(seconds=20), timedelta(seconds=5), LOG)
-    healer.failed_heals = 2  # earlier heals failed: a success resets the backoff
     monkeypatch.setattr(healer, "_metadata", lambda addr, timeout: {"A": a.metadata(), "B": b.metadata()}[addr])
     got = healer.fetch(_quorum())
     assert died, "the assigned source was asked first"
     for k, v in state["user"]["default"].items():
         assert torch.equal(got["user"]["default"][k], v), k
-    assert healer.failed_heals == 0 and healer.backoff_s() == 0.0
+    assert healer.failed_heals == 0 and healer.backoff_s() == 0.0  # a source failing is no failed heal
 
 
 def test_every_source_failing_fails_this_heal_and_backs_off(sources: Any, monkeypatch: Any) -> None:
@@ -220,3 +219,42 @@ def test_source_dying_mid_transfer_the_joiner_heals_from_the_other_and_the_job_g
         assert "healing to step" in healer and "from replica rank 1" in healer, healer[-4000:]
     finally:
         r.kill_all()
+
+
+def test_a_received_state_that_cannot_be_applied_backs_off_and_an_applied_one_resets() -> None:
+    """A heal is done once its state is applied: a state that fails to apply counts like a
+    failed fetch (the backoff grows), one that applies starts the backoff over."""
+    from rallypoint.manager._heal_step import heal_here
+    from rallypoint.manager._record import Round, StepRecord
+    from rallypoint.manager._state import UserState
+
+    healer = SimpleNamespace(failed_heals=0)
+    loaded: list[Any] = []
+    fail = [True]
+
+    def load(sd: Any) -> None:
+        if fail[0]:
+            raise ValueError("test: does not fit")
+        loaded.append(sd)
+
+    state = UserState()
+    state.register("default", load, lambda: {"w": 1})
+    errors: list[Exception] = []
+    m = SimpleNamespace(_healer=healer, _ff=SimpleNamespace(heal_busy=False), heal_mesh=None, _user_state=state,
+                        _log=LOG, _step=4, report_error=errors.append, load_state_dict=lambda sd: None,
+                        _manager_state_dict=lambda: state.snapshot(dict))
+
+    def round_with(pending: Any) -> None:
+        m._cur = Round(StepRecord(round=1, step=4, since=0.0, started=0.0))
+        m._cur.apply_due, m._cur.pending, m._cur.rec.healing = True, pending, True
+        heal_here(m)  # type: ignore[arg-type]
+
+    received = {"user": {"default": {"w": 2}}, "torchft": {"step": 4, "batches_committed": 8}}
+    round_with(received)
+    round_with(received)
+    assert healer.failed_heals == 2 and len(errors) == 2 and not loaded
+    round_with(None)  # the fetch failed: counted there, not again here
+    assert healer.failed_heals == 2 and len(errors) == 3
+    fail[0] = False
+    round_with(received)
+    assert healer.failed_heals == 0 and loaded == [{"w": 2}] and len(errors) == 3

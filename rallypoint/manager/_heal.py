@@ -184,7 +184,8 @@ class Healer:
 
     def backoff_s(self) -> float:
         """How long to wait before the next quorum: grows with the consecutive failed heals
-        (:func:`._retry.heal_backoff_s`), 0 once a heal succeeded."""
+        (fetched from no source, or not applicable: :func:`._retry.heal_backoff_s`), 0 once
+        a healed state was applied."""
         return heal_backoff_s(self.failed_heals)
 
     def fetch(self, q: QuorumResult, into: Any = None, mesh: Any = None) -> dict[str, Any]:
@@ -221,8 +222,7 @@ class Healer:
                 self._log.warning("heal from replica rank %d failed: %s%s", order[0], e,
                                   "; trying another source" if source_order(src, others, failed) else "")
                 continue
-            self.failed_heals = 0
-            return state
+            return state  # failed_heals is reset once the state is applied (_heal_step)
 
     def _fetch_from(self, q: QuorumResult, src: int, extra_ranks: list[int], addrs: dict[int, str], into: Any,
                     mesh: Any, timeout: timedelta) -> dict[str, Any]:

@@ -37,12 +37,15 @@ def heal_here(m: "Manager") -> None:
     if rnd.apply_due:  # a received state: applied here, on the training thread
         pending, rnd.pending, rnd.apply_due = rnd.pending, None, False
         try:
-            if pending is None:
+            if pending is None:  # the fetch failed (and counted toward the heal backoff)
                 raise RuntimeError("healing was required but no state was received")
             m._user_state.apply(place_dtensors(pending, m._manager_state_dict, m.heal_mesh), m.load_state_dict)
+            m._healer.failed_heals = 0  # a heal is done once applied: the backoff starts over
             m._log.info("applied healed state: step %d", m._step)
         except Exception as e:  # noqa: BLE001
-            m._log.warning("applying the healed state failed: %s", e)
+            if pending is not None:
+                m._healer.failed_heals += 1  # a state that cannot be applied: back off as for a failed fetch
+                m._log.warning("applying the healed state failed: %s", e)
             m.report_error(e)
     if q is not None or rnd.rec.healing:
         dt = time.monotonic() - t0
