@@ -106,7 +106,8 @@ def test_group_killed_mid_share_leaves_step_incomplete(tmp_path: Path, procs, cl
            "CHECKPOINT_TEST_GO": str(go)}
     lh = cli_lighthouse(min_replicas=2, extra=["--join-timeout-ms", "20000"], name="lh")
     groups = start_groups(procs, lh.address, tmp_path, 1, pause_at=10**6, stop_at=22, env=env,
-                          extra_env={"g2": {"RALLYPOINT_CHECKPOINT_TEST_DIE": "share:10"}})
+                          extra_env={"g2": {"RALLYPOINT_CHECKPOINT_TEST_DIE": "share:10",
+                                                "RALLYPOINT_ALLOW_INJECT": "1"}})
     wait_until(lambda: all((tmp_path / f"{g}.1.jsonl.ready").exists() for g in GROUPS), timeout=120,
                what=f"3 groups up\n{logs(tmp_path)}")
     go.touch()

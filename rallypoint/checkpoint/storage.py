@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from rallypoint._net.inject import inject_allowed
 from rallypoint.checkpoint.plan import parse_step_dir, step_dir_name
 
 #: What a failed save or load raises: DCP wraps errors in a ``CheckpointException``, which
@@ -177,8 +178,9 @@ def _fsspec_share_writer() -> type:
 def _die_if_asked(point: str, step: int) -> None:
     """Test hook: ``RALLYPOINT_CHECKPOINT_TEST_DIE=<point>:<step>`` SIGKILLs this process
     at ``point`` while writing step ``<step>`` (``share``: its data written, its
-    done-marker not)."""
-    if os.environ.get("RALLYPOINT_CHECKPOINT_TEST_DIE", "") == f"{point}:{step}":
+    done-marker not). Only where fault injection is opted into
+    (``RALLYPOINT_ALLOW_INJECT=1``): a stray variable never kills a production job."""
+    if os.environ.get("RALLYPOINT_CHECKPOINT_TEST_DIE", "") == f"{point}:{step}" and inject_allowed():
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
