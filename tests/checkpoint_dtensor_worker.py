@@ -2,8 +2,9 @@
 over the group's ranks, as FSDP2 holds it), for ``test_checkpoint_dtensor.py``.
 
 Usage: ``checkpoint_dtensor_worker.py RANK RENDEZVOUS_FILE DIR``. Saves step 2 with a
-``DurableCheckpoint`` (each rank writes its own shard of its group's keys), then restores
-it into a fresh zeroed state and prints ``{"rank", "equal", "step"}`` as one JSON line.
+``DurableCheckpoint`` (each rank writes its own shard of its group's keys; an Adam over a
+sharded parameter, after one step), then restores it into a fresh zeroed state whose Adam
+has no state yet, and prints ``{"rank", "equal", "moments", "step"}`` as one JSON line.
 """
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ def main(rank: int, rendezvous: str, path: str) -> int:
                 full = [torch.full_like(t, fill) for t in full]
             self.state = {"w": distribute_tensor(full[0], shard, [Shard(0)]),
                           "v": distribute_tensor(full[1], shard, [Shard(0)]), "bias": full[1].clone() * 2}
+            self.p = torch.nn.Parameter(distribute_tensor(full[0].clone() + 1, shard, [Shard(0)]))
+            self.opt = torch.optim.Adam([self.p], lr=0.1)  # no state before its first step
             self.step_hooks: list[Any] = []
             self._user_state = UserState()
-            self._user_state.register("default", self.load, lambda: self.state)
+            self._user_state.register("default", self.load, lambda: {**self.state, "p": self.p,
+                                                                      "opt": self.opt.state_dict()})
             self.step, self.group_rank, self.group_world_size, self.replica_id = 0, rank % 2, 2, f"g{rank // 2}"
 
         def load(self, sd: dict[str, Any]) -> None:
+            self.opt.load_state_dict(sd.pop("opt"))
+            sd.pop("p")  # loaded in place
             self.state.update(sd)
 
         def state_dict(self) -> dict[str, int]:
@@ -56,6 +62,8 @@ def main(rank: int, rendezvous: str, path: str) -> int:
                 outcome="committed", replica_rank=rank // 2, replica_world_size=2, quorum_id=1, participants=("g0", "g1"))
 
     m = Standin(None)
+    m.p.grad = m.p.detach() * 0.5  # one Adam step: exp_avg, exp_avg_sq and step exist
+    m.opt.step()
     ck = DurableCheckpoint(m, path, every=2, commit_timeout=60)
     ck.at_boundary()  # the first round: nothing to restore
     m.step = 2
@@ -66,8 +74,11 @@ def main(rank: int, rendezvous: str, path: str) -> int:
     fresh = Standin(0.0)
     DurableCheckpoint(fresh, path, every=2).at_boundary()
     equal = all(torch.equal(fresh.state[k].to_local(), m.state[k].to_local()) for k in ("w", "v")) \
-        and torch.equal(fresh.state["bias"], m.state["bias"])
-    print(json.dumps({"rank": rank, "equal": equal, "step": fresh.step, "bytes": written}), flush=True)
+        and torch.equal(fresh.state["bias"], m.state["bias"]) and torch.equal(fresh.p.to_local(), m.p.to_local())
+    a, b = m.opt.state[m.p], fresh.opt.state.get(fresh.p, {})
+    moments = set(b) == set(a) and all(torch.equal(b[k].to_local(), a[k].to_local()) for k in ("exp_avg", "exp_avg_sq")) \
+        and float(b["step"]) == float(a["step"]) == 1.0 and type(b["exp_avg"]) is type(a["exp_avg"])
+    print(json.dumps({"rank": rank, "equal": equal, "moments": moments, "step": fresh.step, "bytes": written}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,5 +1,6 @@
 """Sharded state (DTensors, as FSDP2/HSDP hold it): 2 groups x 2 ranks, each rank writes
-its own shard of its group's keys; DCP's plain ``dcp.load`` reads the whole tensors, and
+its own shard of its group's keys (Adam's moments included, restored into an optimizer
+that has no state yet); DCP's plain ``dcp.load`` reads the whole tensors, and
 each rank restores its own shards."""
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def test_sharded_state_written_by_every_rank_and_restored(tmp_path: Path) -> Non
                 p.kill()
                 p.wait(10)
     assert all(o["equal"] and o["step"] == 2 for o in outs), outs
+    # Adam had no state in the fresh job (before its first step): its moments came back anyway.
+    assert all(o["moments"] for o in outs), outs
     assert all(o["bytes"] > 0 for o in outs), outs  # every rank wrote a part
     marker = json.loads((ckpt / "step_00000002" / ".rallypoint-complete").read_text())
     assert marker["writers"] == 4

@@ -37,6 +37,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from rallypoint.checkpoint import stage as _stage
+from rallypoint.checkpoint._fill import fill_missing
 from rallypoint.checkpoint import storage
 from rallypoint.checkpoint.plan import first_mismatch, is_due, plan_share
 from rallypoint.checkpoint.storage import ERRORS
@@ -47,6 +48,9 @@ log = logging.getLogger("rallypoint.checkpoint")
 ENV_DIR, ENV_EVERY, ENV_KEEP = "RALLYPOINT_CHECKPOINT_DIR", "RALLYPOINT_CHECKPOINT_EVERY", "RALLYPOINT_CHECKPOINT_KEEP"
 ENV_COMMIT_TIMEOUT = "RALLYPOINT_CHECKPOINT_COMMIT_TIMEOUT_SEC"
 DEFAULT_EVERY, DEFAULT_KEEP = 100, 3
+#: How often (seconds) a rank that is not the committer looks for the marker of its last
+#: write between intervals (a small read on the training thread), for ``/status``.
+NOTE_EVERY_S = 5.0
 
 
 class DurableCheckpoint:
@@ -85,6 +89,7 @@ class DurableCheckpoint:
         self._last_written: int | None = None
         self.restored_step: int | None = None
         self._buffers: dict[str, Any] = {}  # staging memory, reused (stage.stage)
+        self._checked_at = float("-inf")  # when _report last looked for a commit marker
         hooks.append(self)
 
     @classmethod
@@ -104,15 +109,30 @@ class DurableCheckpoint:
     def at_boundary(self) -> None:
         """Called by the Manager at the start of each round, on the training thread:
         restore at the first, save when the last committed step is due."""
-        if not self._started:
-            self._started = True
-            if self._restore_first and self.manager.step_record() is None:  # not when attached mid-run
-                self.restore()
-                return
         try:
-            self.maybe_save()
-        except ERRORS as e:  # noqa: BLE001  (a checkpoint never fails a training step)
-            self._writer.failed("checkpointing", e)
+            if not self._started:
+                self._started = True
+                if self._restore_first and self.manager.step_record() is None:  # not when attached mid-run
+                    self.restore()
+                    return
+            try:
+                self.maybe_save()
+            except ERRORS as e:  # noqa: BLE001  (a checkpoint never fails a training step)
+                self._writer.failed("checkpointing", e)
+        finally:
+            self._report()
+
+    def _report(self) -> None:
+        """Hand :meth:`report` to the last round's record: the Manager sends it with the
+        next quorum request's step stats (called before it reads them), and the
+        lighthouse shows it in ``/status``, ``/metrics`` and the dashboard."""
+        now = time.monotonic()
+        if now - self._checked_at >= NOTE_EVERY_S:  # a rank that is not the committer: has it landed?
+            self._checked_at = now
+            self._note_complete()
+        last = getattr(self.manager, "step_record", lambda: None)()
+        if last is not None and isinstance(getattr(last, "extra", None), dict):
+            last.extra["ckpt"] = self.report()
 
     def close(self, timeout: float = 30.0) -> None:
         """Write the last committed step when it is due (a run that ends at step 100 with
@@ -211,9 +231,14 @@ class DurableCheckpoint:
                 raise ValueError(f"[{self.label}] checkpoint {folder} was not written by this model: {why}; "
                                  f"move it away or point {ENV_DIR} elsewhere")
             sharded = bool(_stage.sharded_keys(template))
+            left: list[str] = []
             try:
                 if sharded:  # each rank reads its own shards into the live DTensors
+                    # Keys the live state lacks yet (an optimizer before its first step) get room first.
+                    left = fill_missing(snapshot, template, md, sorted(
+                        k for k in saved if k not in template and not k.startswith("torchft.")))
                     loaded = load_into(self._store, folder, snapshot)
+                    _stage.int_keys_back(loaded, marker.get("int_keyed", []))  # the keys fill_missing made
                 else:
                     loaded = load_checkpoint(self._store, folder)
                     _stage.int_keys_back(loaded, marker.get("int_keyed", []))
@@ -222,11 +247,9 @@ class DurableCheckpoint:
                             type(e).__name__, e)
                 found = self._older_complete(step)
                 continue
-            left = sorted(k for k in saved if sharded and k not in template and not k.startswith("torchft."))
             if left:
-                log.warning("[%s] %d key(s) of %s not restored: the job's sharded state has no place for them yet "
-                            "(first: %s; an optimizer's state before its first step: initialise it before the "
-                            "first round to restore it)", self.label, len(left), folder, left[0])
+                log.warning("[%s] %d key(s) of %s not restored: the job's sharded state has no place for them "
+                            "(first: %s: no live DTensor of its shape)", self.label, len(left), folder, left[0])
             m._user_state.apply(loaded, m.load_state_dict)
             self.restored_step = self._last_written = step
             c = self._writer.counters
@@ -252,6 +275,20 @@ class DurableCheckpoint:
         d = self._writer.counters.as_dict()
         d["every"] = self.every
         return d
+
+    def report(self) -> dict[str, Any]:
+        """The compact ``ckpt`` object of the step stats (see
+        :func:`rallypoint.manager.rules.check_ckpt`): the last complete step and its age
+        (absent before one), shares written, their bytes, the staging stall, failures and
+        skipped intervals of this rank."""
+        c = self._writer.counters
+        out: dict[str, Any] = {"writes": c.writes, "bytes": c.bytes, "failures": c.failures, "skipped": c.skipped,
+                               "stall_s": round(c.stall_s, 6)}
+        if c.last_complete_step is not None:
+            out["step"] = int(c.last_complete_step)
+            if c.last_complete_time is not None:
+                out["age_s"] = round(max(0.0, time.time() - c.last_complete_time), 3)
+        return out
 
 
 def attach_from_env(manager: Any) -> DurableCheckpoint | None:
