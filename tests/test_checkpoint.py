@@ -90,10 +90,11 @@ class FakeManager:
     """What DurableCheckpoint uses of a Manager: its registered state, counters, hooks and
     the last round's record (replica rank ``rr`` of ``ws`` groups)."""
 
-    def __init__(self, rr: int, ws: int, width: int = 8, seed: int = 0) -> None:
+    def __init__(self, rr: int, ws: int, width: int = 8, seed: int = 0, adam: bool = False) -> None:
         torch.manual_seed(seed)
         self.model = nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2))
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.opt: torch.optim.Optimizer = (torch.optim.Adam(self.model.parameters(), lr=0.01) if adam else
+                                           torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9))
         self.step_hooks: list[Any] = []
         self._user_state = UserState()
         self._user_state.register("default", self._load, self._save)
@@ -179,6 +180,35 @@ def test_restore_loads_model_optimizer_and_step(tmp_path: Path) -> None:
     ms[0].train()
     other.train()
     assert all(torch.equal(a, b) for a, b in zip(other.params(), ms[0].params()))
+
+
+def test_kill_all_restore_brings_adams_moments_back(tmp_path: Path) -> None:
+    """Every group is lost after step 6 (checkpointed at 4): fresh processes whose Adam has no
+    state yet restore step 4 with exp_avg, exp_avg_sq and step equal to those at the commit."""
+    ms = [FakeManager(i, 2, adam=True) for i in range(2)]
+    cks = [DurableCheckpoint(m, str(tmp_path), every=4, keep=0, commit_timeout=10) for m in ms]
+    at4: list[dict[int, dict[str, torch.Tensor]]] = []
+    for m in ms:
+        m.boundary()
+    for _ in range(6):
+        for m in ms:
+            m.train()
+            m.boundary()
+            if m.step == 4:
+                at4.append({i: {k: v.clone() for k, v in st.items()} for i, st in m.opt.state_dict()["state"].items()})
+        for c in cks:
+            assert c.wait(30)
+    fresh = FakeManager(1, 2, seed=7, adam=True)
+    assert not fresh.opt.state  # before its first step
+    ck = DurableCheckpoint(fresh, str(tmp_path), every=4)
+    fresh.boundary()
+    assert ck.restored_step == 4 and fresh.step == 4
+    got = fresh.opt.state_dict()["state"]
+    assert sorted(got) == sorted(at4[0]) and len(got) == 4
+    for i, want in at4[0].items():
+        assert set(got[i]) == {"step", "exp_avg", "exp_avg_sq"}
+        for k, v in want.items():
+            assert torch.equal(got[i][k], v), (i, k)
 
 
 def test_incomplete_or_corrupt_newest_is_skipped_with_a_warning(tmp_path: Path, caplog) -> None:
