@@ -190,3 +190,22 @@ def test_status_and_metrics_show_the_step_after_a_checkpoint_completes(lighthous
                    for ln in text.splitlines()), text
     finally:
         m.shutdown(wait=False)
+
+
+def test_a_hostile_ckpt_is_ignored_and_the_quorum_still_served(lighthouse, client) -> None:
+    from test_ledger import ask_concurrently, assert_one_quorum, report
+
+    lh = lighthouse(min_replicas=2, http_bind="127.0.0.1:0")
+    c = client(lh)
+    ckpt: dict[str, Any] = {"good": {"step": 20, "age_s": 1.0, "writes": 1}, "evil": {"bytes": 10**30, "step": 99}}
+    for step in range(3):
+        answers = ask_concurrently(c, list(ckpt), timeout=10.0, kw_for=lambda rid: {
+            "step": step, "data": report(step - 1, ckpt=ckpt[rid]) if step else ""})
+        assert_one_quorum(answers, list(ckpt))  # served regardless
+    rows = {r["replica_id"]: r for r in httpx.get(f"{lh.http_address()}/status", timeout=5.0).json()["replicas"]}
+    assert rows["good"]["checkpoint"]["last_complete_step"] == 20
+    assert rows["evil"]["checkpoint"] is None  # nothing of it kept
+    assert rows["evil"]["step"] == 2
+    text = httpx.get(f"{lh.http_address()}/metrics", timeout=5.0).text
+    assert 'rallypoint_checkpoint_last_complete_step{replica_id="good"} 20.0' in text
+    assert 'replica_id="evil"' not in "".join(ln for ln in text.splitlines() if ln.startswith("rallypoint_checkpoint"))
