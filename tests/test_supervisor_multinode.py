@@ -240,7 +240,7 @@ def test_an_endpoint_that_never_answers_gives_up_within_the_timeout(procs, tmp_p
     took = time.monotonic() - t
     err = p.stderr_text()
     assert f"gave up: could not reach the rendezvous endpoint {NODE_ADDRS[0]}:{port} within --rdzv-timeout 4s" in err, err
-    assert took < 4 + 10, took  # the timeout, plus the interpreter's start
+    assert took < 4 + 20, took  # the timeout, plus the interpreter's start (slow on a loaded 2-core machine)
     _gone(p, strays)
 
 

@@ -14,7 +14,8 @@ given a copy (:func:`materialise`).
 How this stays out of the training step (the ``Manager``'s side), and why the state being
 served is never read while the training thread changes it:
 
-By default (``heal_on_training_thread=True``) the quorum thread only forms the quorum.
+With ``heal_on_training_thread=True`` (what FSDP2 needs; ``rallypoint.integrations.fsdp``
+sets it) the quorum thread only forms the quorum.
 Both sides of a heal run on the training thread, between steps' mutations: in
 :meth:`should_commit` (after backward, before the vote; :meth:`start_quorum` /
 :meth:`wait_quorum` when the quorum is synchronous). There, and only there, the sender
@@ -26,8 +27,8 @@ unsharded parameters that forward swaps in and frees (torchtitan#4754: a state r
 the quorum thread mid-forward crashed the serving process). The receiver fetches there
 too, into its current state, and applies it before the vote.
 
-``heal_on_training_thread=False`` (opt-in, for state that may be read while forward runs,
-i.e. not FSDP2's) overlaps the heal with forward: the sender serves as soon as its quorum
+``heal_on_training_thread=False`` (the default, for state that may be read while forward
+runs, i.e. not FSDP2's) overlaps the heal with forward: the sender serves as soon as its quorum
 arrives, on the quorum thread, live (forward and backward change neither parameters nor
 optimizer state), frozen in :meth:`should_commit`; the receiver fetches on the quorum
 thread and applies the state in :meth:`should_commit`.

@@ -95,8 +95,9 @@ class Manager(GroupConnection):
         max_retries: raise after this many consecutive failed steps (None: never).
         quorum_retries: retries of a failed quorum call before the step fails (0).
         heal_on_training_thread: serve and fetch heals on the training thread, never reading the state
-            while forward runs (True; False: on the quorum thread, overlapped with forward, for state that
-            may be read then: not FSDP2's; see ``_heal.py``).
+            while forward runs (what FSDP2 needs; ``rallypoint.integrations.fsdp`` sets it). False (the
+            default): on the quorum thread, overlapped with forward, for state that may be read then;
+            see ``_heal.py``.
         sdc_check: compare gradients across replicas before each commit (``RALLYPOINT_SDC_CHECK``).
         sdc_check_every: compare parameter hashes every N commits (``RALLYPOINT_SDC_CHECK_EVERY``; 0: off).
     """
@@ -125,7 +126,7 @@ class Manager(GroupConnection):
         init_sync: bool = True,
         max_retries: int | None = None,
         quorum_retries: int = 0,
-        heal_on_training_thread: bool = True,
+        heal_on_training_thread: bool = False,
         sdc_check: bool | None = None,
         sdc_check_every: int | None = None,
     ) -> None:
