@@ -220,10 +220,17 @@ def compare(ref: Mapping[str, Entry], got: Mapping[str, Entry], allowed: Mapping
     return out
 
 
-def nightly_dir(environ: Mapping[str, str] = os.environ, prefix: str = sys.prefix) -> Path | None:
-    """The folder holding torchft-nightly's ``torchft/`` (RALLYPOINT_TORCHFT_NIGHTLY, else
-    ``<venv>/torchft-nightly``), or None when absent."""
-    for cand in (environ.get("RALLYPOINT_TORCHFT_NIGHTLY"), str(Path(prefix) / "torchft-nightly")):
+def nightly_dir(environ: Mapping[str, str] = os.environ, prefix: str = sys.prefix,
+                path: list[str] | None = None) -> Path | None:
+    """The folder holding torchft-nightly's ``torchft/``: RALLYPOINT_TORCHFT_NIGHTLY, else
+    ``torchft-nightly`` beside the running venv (``<sys.prefix>/torchft-nightly``) or beside
+    a venv it is layered over (a ``lib/pythonX/site-packages`` on ``sys.path``); None when absent."""
+    cands = [environ.get("RALLYPOINT_TORCHFT_NIGHTLY"), str(Path(prefix) / "torchft-nightly")]
+    for p in sys.path if path is None else path:
+        site = Path(p)
+        if site.name == "site-packages" and site.parent.parent.name == "lib":
+            cands.append(str(site.parent.parent.parent / "torchft-nightly"))
+    for cand in cands:
         if cand and (Path(cand) / "torchft" / "__init__.py").is_file():
             return Path(cand)
     return None
