@@ -169,8 +169,7 @@ def dump_in_subprocess(path: Path | None, role: str = "reference", python: str =
     if path is not None:
         cmd += ["--path", str(path)]
     cmd += ["--role", role]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd="/")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd="/")
     if res.returncode != 0:
         raise RuntimeError(f"dumping torchft's surface failed ({cmd}):\n{res.stderr[-4000:]}")
     return dict(json.loads(res.stdout.strip().splitlines()[-1]))
