@@ -95,10 +95,13 @@ def test_import_torchft_is_rallypoint(installed: Path, tmp_path: Path) -> None:
 
 
 def test_torchft_training_loop_commits(installed: Path, tmp_path: Path) -> None:
-    """A one-group torchft-style loop, written only against ``torchft``, commits 3 steps."""
+    """A one-group torchft-style loop, written only against ``torchft``, commits 3 steps; then
+    TorchTitan's loss sync (``dist.all_reduce`` over ``torchft.process_group.ManagedProcessGroup``,
+    ``ReduceOp.AVG``) averages and commits."""
     out = _run(installed, """
         from datetime import timedelta
         import torch
+        import torch.distributed as dist
         import torchft
         from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
         from torchft.coordination import LighthouseServer
@@ -120,11 +123,26 @@ def test_torchft_training_loop_commits(installed: Path, tmp_path: Path) -> None:
                 ddp(torch.ones(3, 4)).sum().backward()
                 optim.step()
             print("steps", manager.current_step(), "changed", bool((model.weight != before).any()))
+            # TorchTitan's loss-sync group: torchft.process_group.ManagedProcessGroup(manager),
+            # registered beside the trainer's default group (torchrun's; here a 1-rank one)
+            import os, tempfile
+            import torch.distributed as dist
+            store = os.path.join(tempfile.mkdtemp(), "store")
+            dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+            replicate_pg = torchft.process_group.ManagedProcessGroup(manager)
+            replicate_pg.register("dp_replicate")
+            manager.start_quorum()
+            t = torch.tensor([3.0, 5.0])
+            dist.all_reduce(t, group=replicate_pg, op=dist.ReduceOp.AVG)
+            print("avg", t.tolist(), "committed", manager.should_commit())
         finally:
             manager.shutdown(wait=False)
             lh.shutdown()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     """, tmp_path)
     assert "steps 3 changed True" in out, out
+    assert "avg [3.0, 5.0] committed True" in out, out
 
 
 # --- the parity check -------------------------------------------------------------------
