@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -33,11 +34,14 @@ RUN_TIMEOUT = 180
 
 def _pip_install(target: Path) -> None:
     """``pip install --no-deps --target`` the compat package (with build isolation, else
-    with the venv's setuptools)."""
+    with the venv's setuptools), from a clean copy of its sources: setuptools leaves
+    ``build/`` beside the sources, whose stale files a later build would package."""
+    src = target.parent / "src"
+    shutil.copytree(REPO / "compat" / "torchft", src,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     errors = []
     for extra in ([], ["--no-build-isolation"]):
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *extra,
-               str(REPO / "compat" / "torchft")]
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *extra, str(src)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT, cwd=target.parent)
         if res.returncode == 0:
             return
