@@ -64,7 +64,7 @@ $(NEWEST_STAMP): $(NPY) pyproject.toml
 # alias package (tests/test_torchft_integ.py), on the newest torch: its tests need torch's
 # native process-group reconfigure (torch >= 2.14).
 torchft-nightly-check: $(NEWEST_STAMP) $(VENV_NEWEST)/$(NIGHTLY_MARK)
-	$(NPY) -m pytest tests/test_torchft_integ.py -k nightly $(PYTEST_ARGS)
+	RALLYPOINT_TORCHFT_NIGHTLY_CHECK=1 $(NPY) -m pytest tests/test_torchft_nightly_integ.py $(PYTEST_ARGS)
 
 # The dashboard's test runs it in Debian's headless chromium: installed here when missing and
 # apt can (root, a Debian package source); otherwise that one test skips and says why.
