@@ -189,6 +189,13 @@ RACY = {
         "first can draw inside the other's seeded init; with init_sync=False nothing syncs the two "
         "models, so they end apart (seen once in a full-file run on a loaded machine; 8 of 8 runs alone pass)"
     ),
+    "torchft.local_sgd_integ_test.LocalSGDIntegTest.test_streaming_diloco_upscale_01": (
+        "replica 0 waits at a barrier until the two others reach manager step 2, then asks its first quorum; "
+        "the others go on to step 4 (two more syncs, 8 tiny inner steps) and leave. When replica 0's thread "
+        "is slow to reach its first inner step (2 loaded cores), they are gone before its request arrives "
+        "and it times out alone (min_replicas=2): seen once in a full-suite run on torch 2.14.1; 36 of 36 "
+        "runs of the upscale tests alone pass"
+    ),
 }
 
 PER_TEST_TIMEOUT_S = 90
