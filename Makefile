@@ -9,7 +9,7 @@ DOCS_STAMP := $(VENV)/.rallypoint-docs-installed
 PYTEST_ARGS ?=
 
 .PHONY: test typecheck browser etcd demo demo-lighthouse proto bench install clean wheel-check docs \
-	test-newest torchft-nightly-check
+	gpu-check gpu-wheels test-newest torchft-nightly-check
 
 # torchft-nightly (the 0.3 API) installs the same `torchft` package as torchft 0.2.0, so it is
 # unpacked beside a venv, not into it (`pip install --no-deps --target VENV/torchft-nightly`):
@@ -132,6 +132,24 @@ bench: $(STAMP)
 	$(VPY) bench/lighthouse.py
 	$(VPY) bench/process_groups.py
 	$(VPY) bench/transport.py
+
+# On a GPU machine: every @pytest.mark.gpu test, then bench/gpu.py (NCCL and Baby NCCL
+# allreduce, a 1 GB device heal over HTTP and a process group; rallypoint vs torchft 0.2.0 vs
+# plain NCCL and cudaMemcpy), one summary table and one JSON line (also into $$OUT when set).
+# No network and no .venv: it runs under the first Python whose torch sees CUDA (GPU_PY, then
+# .venv/bin/python, then python3), with the wheels in .whl/ (`make gpu-wheels`, run where pip
+# reaches PyPI) installed into a temporary folder. Exit 2 without a GPU (nothing is run), 3
+# when rallypoint's modules do not import there (it names them), 1 when something failed.
+# docs/development.md says how to read the table.
+GPU_PY ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The wheels gpu-check needs on a GPU image (Python 3.12), into .whl/: torchft 0.2.0 and what
+# it imports, and the grpcio/protobuf/isal versions rallypoint needs (tools/gpu_check.py WHEELS).
+gpu-wheels:
+	$(PY) tools/gpu_check.py --download-wheels .whl
 
 clean:
 	rm -rf $(VENV) $(VENV_NEWEST) build site *.egg-info .pytest_cache

@@ -37,6 +37,7 @@ from rallypoint.lighthouse.server import LighthouseServer
 pytestmark = pytest.mark.interop
 
 T = TypeVar("T")
+TORCHFT_03_FIELDS = ("reconfigure_handles",)  # QuorumMember fields torchft 0.2.0 does not know
 
 CONNECT = timedelta(seconds=10)
 QUORUM_TIMEOUT = timedelta(seconds=10)
@@ -547,8 +548,10 @@ def test_raw_wire_every_member_field_round_trips_through_torchft(
         commit_failures=7,
     )
     request = pb.LighthouseQuorumRequest(requester=requester)
-    # Every field is non-default, so every field number appears on the wire.
-    assert len(requester.ListFields()) == len(pb.QuorumMember.DESCRIPTOR.fields)
+    # Every field torchft 0.2 knows is non-default, so every field number appears on the wire
+    # (torchft 0.3's reconfigure_handles, field 9, is tested with torchft-nightly's lighthouse
+    # in test_interop_nightly.py; torchft 0.2.0's drops it).
+    assert len(requester.ListFields()) == len(pb.QuorumMember.DESCRIPTOR.fields) - len(TORCHFT_03_FIELDS)
     target = theirs.address().removeprefix("http://")
     with grpc.insecure_channel(target) as channel:
         grpc.channel_ready_future(channel).result(timeout=10)

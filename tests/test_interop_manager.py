@@ -3,7 +3,12 @@
 * torchft's own ``torchft.Manager`` + ``torchft.ProcessGroupGloo`` (two replica groups)
   trains against OUR lighthouse;
 * OUR ``rallypoint.manager.Manager`` + ``rallypoint.process_groups.ProcessGroupGloo``
-  trains against torchft's (Rust) ``LighthouseServer``.
+  trains against torchft's (Rust) ``LighthouseServer``;
+* torchft-nightly's (the 0.3 API) ``Manager`` + its reconfigurable ``ProcessGroupGloo``
+  trains against OUR lighthouse, reconfiguring from the handles it carries; and our
+  Manager against torchft-nightly's lighthouse. torchft-nightly is found unpacked at
+  ``<venv>/torchft-nightly`` (``make install``) and put first on the zygote's path; its
+  Python runs on torch 2.13 through its own ``ReconfigureOptions`` stand-in.
 
 Each replica group (one rank) is a process running this file's ``worker``, forked from a
 "zygote" subprocess (``python this_file zygote KIND``) that has imported torch and the
@@ -63,7 +68,7 @@ def worker(kind: str, lighthouse: str, replica: str, seed: int, out: str, stop: 
     timeouts = dict(timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=10),
                     connect_timeout=timedelta(seconds=10))
     store = None
-    if kind == "torchft":
+    if kind in ("torchft", "torchft-nightly"):
         from torch.distributed import TCPStore
         from torchft import Manager as TorchftManager
         from torchft import ProcessGroupGloo as TorchftGloo
@@ -114,7 +119,7 @@ def worker(kind: str, lighthouse: str, replica: str, seed: int, out: str, stop: 
             time.sleep(delay)  # paces the loop so the late joiner catches a running peer
     finally:
         m.shutdown(wait=False)
-        if kind != "torchft":
+        if kind == "ours":
             pg.shutdown()
         del store
     return rc
@@ -130,7 +135,7 @@ def zygote(kind: str) -> int:
     # Imported here, before any thread exists, so that the forked children start warm.
     ours = ["rallypoint.manager.manager", "rallypoint.manager.server", "rallypoint.process_groups",
             "rallypoint.transports.http"]
-    for mod in ["torch", "torch.distributed", *(["torchft"] if kind == "torchft" else ours)]:
+    for mod in ["torch", "torch.distributed", *(["torchft"] if kind != "ours" else ours)]:
         importlib.import_module(mod)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped automatically
     print("ready", flush=True)
@@ -169,9 +174,12 @@ class Replicas:
         self.lighthouse = lighthouse
         self.stop = tmp / "stop"
         self.pids: dict[str, int] = {}
+        env = dict(os.environ)
+        if kind == "torchft-nightly":
+            env["PYTHONPATH"] = os.pathsep.join([str(nightly_dir()), env.get("PYTHONPATH", "")])
         with open(tmp / "zygote.log", "w") as log:
             self.zygote = subprocess.Popen([sys.executable, str(HERE), "zygote", kind], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, stderr=log, text=True)
+                                           stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         assert self._answer(60) == "ready", self.logs()
 
     def _answer(self, timeout: float) -> str:
@@ -258,6 +266,12 @@ def replicas_factory(tmp_path: Path):
         r.kill_all()
 
 
+def nightly_dir() -> Path:
+    """The folder holding torchft-nightly's ``torchft`` package (``make install`` unpacks it
+    at ``<venv>/torchft-nightly``; ``$RALLYPOINT_TORCHFT_NIGHTLY`` overrides)."""
+    return Path(os.environ.get("RALLYPOINT_TORCHFT_NIGHTLY") or Path(sys.prefix) / "torchft-nightly")
+
+
 def start_lighthouse(servers: list[Any], impl: str, **kw: Any) -> str:
     """Starts a lighthouse of the *other* implementation than the workers'; returns the
     address the workers are given."""
@@ -267,7 +281,17 @@ def start_lighthouse(servers: list[Any], impl: str, **kw: Any) -> str:
         lh = LighthouseServer(bind="127.0.0.1:0", **kw)
         servers.append(lh)
         return lh.address()
-    from torchft._torchft import LighthouseServer as TorchftLighthouseServer
+    if impl == "torchft-nightly":
+        import importlib.util
+
+        so = next((nightly_dir() / "torchft").glob("_torchft*.so"))
+        spec = importlib.util.spec_from_file_location("_torchft", so)  # PyInit__torchft; not put in sys.modules
+        assert spec is not None and spec.loader is not None
+        native = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(native)  # a pyo3 module: no torch, no clash with 0.2.0's
+        TorchftLighthouseServer = native.LighthouseServer
+    else:
+        from torchft._torchft import LighthouseServer as TorchftLighthouseServer
 
     lh = TorchftLighthouseServer(bind="127.0.0.1:0", quorum_tick_ms=20, **kw)
     servers.append(lh)
@@ -289,8 +313,9 @@ def assert_identical(r: Replicas, names: list[str], target: int) -> None:
 
 
 # workers' implementation -> the lighthouse they train against
-DIRECTIONS = [("torchft", "ours"), ("ours", "torchft")]
-IDS = ["torchft_manager-our_lighthouse", "our_manager-torchft_lighthouse"]
+DIRECTIONS = [("torchft", "ours"), ("ours", "torchft"), ("torchft-nightly", "ours"), ("ours", "torchft-nightly")]
+IDS = ["torchft_manager-our_lighthouse", "our_manager-torchft_lighthouse",
+       "torchft_nightly_manager-our_lighthouse", "our_manager-torchft_nightly_lighthouse"]
 
 
 @pytest.mark.parametrize(("kind", "lh_impl"), DIRECTIONS, ids=IDS)
@@ -298,13 +323,15 @@ def test_train_in_lockstep_then_late_replica_heals(servers, replicas_factory, ki
     """Two replicas (different initial weights) start together and train in lockstep;
     a third one with other weights starts late, heals from them and joins the training.
     At the end all three hold identical parameters at the same step."""
+    if "torchft-nightly" in (kind, lh_impl) and not (nightly_dir() / "torchft").is_dir():
+        pytest.skip(f"torchft-nightly is not unpacked at {nightly_dir()} (make install unpacks it)")
     addr = start_lighthouse(servers, lh_impl, min_replicas=2, join_timeout_ms=500, heartbeat_timeout_ms=5000)
     r = replicas_factory(kind, addr)
     r.start("replica_0", seed=1)
     r.start("replica_1", seed=2)  # init_sync: takes replica_0's weights at step 0
     r.wait_for("both replicas at step 4", lambda: min(r.step("replica_0"), r.step("replica_1")) >= 4, 40)
     # our Manager must also take a bare host:port (torchft's lighthouse advertises http://)
-    late = addr.removeprefix("http://") if lh_impl == "torchft" else addr
+    late = addr.removeprefix("http://") if lh_impl.startswith("torchft") else addr
     r.start("replica_2", seed=3, lighthouse=late)  # other initial weights, step 0
     r.wait_for("replica_2 healed and committing", lambda: r.step("replica_2") >= r.step("replica_0") > 4, 30)
     target = max(r.step(n) for n in NAMES) + 3

@@ -1,4 +1,5 @@
-"""The wire contract: committed stubs match proto/, and torchft 0.2's field numbers hold."""
+"""The wire contract: committed stubs match proto/, and torchft 0.2's field numbers hold
+(plus the three fields torchft 0.3 added)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
         assert p.read_text() == (committed / p.name).read_text(), f"{p.name} is stale: run `make proto` and commit"
 
 
-# torchft 0.2.0's wire contract: message -> {field: (number, label, type)}.
+# torchft 0.2.0's wire contract, plus torchft 0.3's reconfigure handles: message -> {field: (number, type)}.
 TORCHFT_FIELDS = {
     "QuorumMember": {
         "replica_id": (1, "string"), "address": (2, "string"), "store_address": (3, "string"),
         "step": (4, "int64"), "world_size": (5, "uint64"), "shrink_only": (6, "bool"),
         "data": (7, "string"), "commit_failures": (8, "int64"),
+        "reconfigure_handles": (9, "string"),  # torchft 0.3
     },
     "Quorum": {"quorum_id": (1, "int64"), "participants": (2, "message"), "created": (3, "message")},
     "LighthouseQuorumRequest": {"requester": (1, "message")},
@@ -42,6 +44,7 @@ TORCHFT_FIELDS = {
     "ManagerQuorumRequest": {
         "group_rank": (1, "int64"), "step": (2, "int64"), "checkpoint_metadata": (3, "string"),
         "shrink_only": (4, "bool"), "init_sync": (5, "bool"), "commit_failures": (6, "int64"),
+        "reconfigure_handle": (7, "string"),  # torchft 0.3
     },
     "ManagerQuorumResponse": {
         "quorum_id": (1, "int64"), "recover_src_manager_address": (2, "string"),
@@ -49,6 +52,7 @@ TORCHFT_FIELDS = {
         "store_address": (5, "string"), "max_step": (6, "int64"), "max_replica_rank": (7, "int64"),
         "max_world_size": (8, "int64"), "replica_rank": (9, "int64"), "replica_world_size": (10, "int64"),
         "heal": (11, "bool"), "commit_failures": (12, "int64"), "replica_ids": (13, "string"),
+        "reconfigure_handles": (14, "string"),  # torchft 0.3
     },
     "CheckpointMetadataRequest": {"rank": (1, "int64")},
     "CheckpointMetadataResponse": {"checkpoint_metadata": (1, "string")},
@@ -58,7 +62,8 @@ TORCHFT_FIELDS = {
 }
 OPTIONAL = {("ManagerQuorumResponse", "recover_src_replica_rank"), ("ManagerQuorumResponse", "max_replica_rank")}
 REPEATED = {("Quorum", "participants"), ("ManagerQuorumResponse", "recover_dst_replica_ranks"),
-            ("ManagerQuorumResponse", "replica_ids")}
+            ("ManagerQuorumResponse", "replica_ids"), ("QuorumMember", "reconfigure_handles"),
+            ("ManagerQuorumResponse", "reconfigure_handles")}
 
 
 @pytest.mark.parametrize("message", sorted(TORCHFT_FIELDS))

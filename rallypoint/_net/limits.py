@@ -11,6 +11,9 @@ MAX_REASON_BYTES = 1024  # kill and goodbye reasons
 MAX_DATA_BYTES = 64 * 1024  # a quorum request's JSON step statistics
 MAX_CHECKPOINT_METADATA_BYTES = 4096  # what a rank tells its peers about where to heal from
 MAX_EVENT_DETAILS_BYTES = 4096  # a supervisor event's JSON fields (ReportEvent)
+MAX_RECONFIGURE_HANDLE_BYTES = 4096  # one rank's process-group reconfigure handle (torchft 0.3, JSON)
+MAX_GROUP_HANDLES = 4096  # the most ranks of one replica group that send reconfigure handles
+MAX_GROUP_HANDLES_BYTES = 1024 * 1024  # all of one replica group's reconfigure handles together
 
 
 def utf8_len(value: str) -> int:
@@ -27,4 +30,5 @@ def clip(value: str, limit: int) -> str:
 
 
 __all__ = ["MAX_ADDRESS_BYTES", "MAX_CHECKPOINT_METADATA_BYTES", "MAX_DATA_BYTES", "MAX_EVENT_DETAILS_BYTES",
-           "MAX_REASON_BYTES", "MAX_REPLICA_ID_BYTES", "clip", "utf8_len"]
+           "MAX_GROUP_HANDLES", "MAX_GROUP_HANDLES_BYTES", "MAX_REASON_BYTES", "MAX_RECONFIGURE_HANDLE_BYTES",
+           "MAX_REPLICA_ID_BYTES", "clip", "utf8_len"]

@@ -196,6 +196,10 @@ class _Service:
         job = await self._job(context)
         await self._claim(context, job, member.replica_id, "a Quorum")
         core = job.core
+        try:
+            validate.handle_collision(member, core.pending)  # torchft 0.3: no handle twice in a quorum
+        except validate.InvalidRequest as e:
+            await self._invalid(context, e, job)
         log.debug("[%s] quorum request at step %d (job %s)", member.replica_id, member.step, job.name)
         try:
             answer = await core.request_quorum(member)

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import grpc
 
@@ -207,8 +207,10 @@ class LighthouseClient:
         data: dict | str | None = None,
         commit_failures: int = 0,
         on_trailing: Callable[[Any], None] | None = None,
+        reconfigure_handles: Sequence[str] = (),
     ) -> Quorum:
         """Ask for a quorum; blocks until one that contains ``replica_id`` forms.
+        ``reconfigure_handles`` (torchft 0.3): the group's handles, one per group rank, or none.
         ``on_trailing`` gets the answer's trailing metadata (a rallypoint lighthouse hands
         fault injections to the group there)."""
         requester = pb.QuorumMember(
@@ -220,6 +222,7 @@ class LighthouseClient:
             shrink_only=bool(shrink_only),
             commit_failures=commit_failures,
             data=data if isinstance(data, str) else (json.dumps(data) if data is not None else ""),
+            reconfigure_handles=list(reconfigure_handles),
         )
         request = pb.LighthouseQuorumRequest(requester=requester)
         secs = seconds(timeout)

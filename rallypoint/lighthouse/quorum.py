@@ -21,7 +21,11 @@ The rules (docs/design.md, "The lighthouse"):
    ``View.expected`` says, if later); then form.
 5. Members are sorted by replica_id; ``quorum_id`` increases when the member list
    changes or a member reports ``commit_failures > 0``, and after a lease was revoked
-   (``View.fresh_id``; ``leases.py``).
+   (``View.fresh_id``; ``leases.py``). Reconfigure handles (torchft 0.3) are carried, not
+   compared, as torchft's lighthouse does: torch's native handle embeds the communicator
+   id, so it changes at every reconfigure and comparing would reconfigure every step; a
+   group that rebuilt its process group (a restart) is already a membership change, a
+   commit failure or a revoked lease.
 
 Exclusion (``View.excluded``, set by the straggler policy ``--stragglers evict``,
 :mod:`rallypoint.lighthouse.stragglers`): until its cool-down ends, an excluded replica
@@ -57,6 +61,20 @@ class Member:
     shrink_only: bool = False
     commit_failures: int = 0
     data: str = ""
+    #: torchft 0.3: each group rank's process-group reconfigure handle (index = group rank;
+    #: ``''`` for a rank without one), empty when the group sent none (rallypoint/_net/handles.py)
+    reconfigure_handles: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Restored from JSON (state file, etcd) the handles are a list: kept as a tuple, so a
+        # Member stays hashable and equal to the one that was saved.
+        handles = self.reconfigure_handles
+        if not isinstance(handles, tuple):
+            if not isinstance(handles, (list, tuple)):
+                raise TypeError(f"reconfigure_handles must be a list of strings, got {type(handles).__name__}")
+            object.__setattr__(self, "reconfigure_handles", tuple(handles))
+        if not all(isinstance(h, str) for h in self.reconfigure_handles):
+            raise TypeError("reconfigure_handles must be a list of strings")
 
 
 @dataclass(frozen=True)
@@ -168,7 +186,7 @@ def healthy_replicas(now: float, view: View, options: Options) -> set[str]:
 
 def next_quorum_id(previous: Quorum | None, quorum_id: int, members: tuple[Member, ...], fresh: bool = False) -> int:
     """Rule 5: a new id when membership changed or anyone reports commit failures, and
-    (``fresh``) after a lease was revoked."""
+    (``fresh``) after a lease was revoked. Reconfigure handles do not count (module docstring)."""
     if fresh or previous is None or previous.replica_ids != tuple(m.replica_id for m in members):
         return quorum_id + 1
     if any(m.commit_failures > 0 for m in members):

@@ -82,10 +82,9 @@ _SCHEMA = (
 _CORRUPT_CODES = (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT)
 _OUR_TABLES = {"schema_version", "quorum", "events"}
 _MEMBER_FIELDS = tuple(f.name for f in dataclasses.fields(Member))
-# Expected JSON types of the saved member fields, taken from Member's defaults.
-_MEMBER_TYPES: dict[str, type] = {
-    f.name: type(f.default) for f in dataclasses.fields(Member) if f.default is not dataclasses.MISSING
-}
+# Expected JSON types of the saved member fields, taken from Member's defaults (a tuple is saved as a list).
+_MEMBER_TYPES: dict[str, type] = {f.name: list if isinstance(f.default, tuple) else type(f.default)
+                                   for f in dataclasses.fields(Member) if f.default is not dataclasses.MISSING}
 
 
 @dataclass(frozen=True)

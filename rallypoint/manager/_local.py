@@ -32,10 +32,12 @@ class LocalManagerClient:
         commit_failures: int = 0,
         init_sync: bool = True,
         step_stats: dict[str, Any] | None = None,
+        reconfigure_handle: str = "",
     ) -> QuorumResult:
         """``ManagerClient._quorum``, in process; ``step_stats`` are checked as the
         metadata is (``ValueError`` naming the field)."""
-        req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync)
+        req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync,
+                             reconfigure_handle)
         return self._server.local_quorum(req, seconds(timeout), step_stats=step_stats)
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: float | timedelta) -> bool:

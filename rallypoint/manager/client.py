@@ -48,6 +48,7 @@ def result_from_pb(resp: pb.ManagerQuorumResponse) -> QuorumResult:
         heal=resp.heal,
         commit_failures=resp.commit_failures,
         replica_ids=list(resp.replica_ids),
+        reconfigure_handles=list(resp.reconfigure_handles),
     )
 
 
@@ -64,6 +65,7 @@ def result_to_pb(r: QuorumResult) -> pb.ManagerQuorumResponse:
         heal=r.heal,
         commit_failures=r.commit_failures,
         replica_ids=r.replica_ids,
+        reconfigure_handles=r.reconfigure_handles,
     )
     if r.recover_src_replica_rank is not None:
         msg.recover_src_replica_rank = r.recover_src_replica_rank
@@ -124,9 +126,11 @@ def with_inject(r: QuorumResult, trailing: Any) -> QuorumResult:
 
 
 def quorum_request(
-    group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool, commit_failures: int, init_sync: bool
+    group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool, commit_failures: int, init_sync: bool,
+    reconfigure_handle: str = "",
 ) -> pb.ManagerQuorumRequest:
-    """The ``Quorum`` request one rank sends (over gRPC or in process)."""
+    """The ``Quorum`` request one rank sends (over gRPC or in process); ``reconfigure_handle``
+    (torchft 0.3): the rank's process group's handle, ``''`` for none."""
     return pb.ManagerQuorumRequest(
         group_rank=group_rank,
         step=step,
@@ -134,6 +138,7 @@ def quorum_request(
         shrink_only=shrink_only,
         init_sync=init_sync,
         commit_failures=commit_failures,
+        reconfigure_handle=reconfigure_handle,
     )
 
 
@@ -199,16 +204,23 @@ class ManagerClient:
         commit_failures: int = 0,
         init_sync: bool = True,
         step_stats: dict[str, Any] | None = None,
+        reconfigure_handle: str = "",
     ) -> QuorumResult:
         """Join this step's quorum for ``group_rank``; blocks until the group's quorum
         forms (every rank of the group asked and the lighthouse answered).
+
+        ``reconfigure_handle`` (torchft 0.3's ``_quorum`` argument): this rank's process
+        group's ``get_reconfigure_handle()``, ``''`` for none; the result's
+        ``reconfigure_handles`` is this group rank's handle in every member, in replica
+        order. A server refuses a bad handle (``ValueError`` naming the field).
 
         ``step_stats``: how this rank's previous round went (see
         :func:`rallypoint.manager.rules.check_step_stats`), sent as the
         ``x-rallypoint-step-stats`` metadata so the lighthouse can score stragglers; a
         rallypoint server refuses bad stats (``ValueError``), torchft's ignores them."""
         secs = seconds(timeout)
-        req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync)
+        req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync,
+                             reconfigure_handle)
         metadata = self._rank_metadata
         if step_stats is not None:
             metadata = [*metadata, (STEP_STATS_HEADER, encode_step_stats(step_stats))]

@@ -42,7 +42,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch.distributed import ReduceOp
 
-from rallypoint.manager import _progress
+from rallypoint.manager import _progress, _reconfig
 from rallypoint.manager._config import ReplicaLog as _ReplicaLog, WorldSizeMode, env as _env, td as _td
 from rallypoint.manager._connect import GroupConnection
 from rallypoint.manager._failfast import FailFast
@@ -70,7 +70,8 @@ class Manager(GroupConnection):
     (docs/environment.md). A ``*_TIMEOUT_SEC`` variable, when set, wins over its argument.
 
     Args:
-        pg: the reconfigurable process group across replica groups (``ProcessGroupGloo``, ``...NCCL``, ``...Baby*``).
+        pg: the process group across replica groups: ours (``ProcessGroupGloo``, ``...NCCL``, ``...Baby*``),
+            torchft's, or (torch >= 2.14) torch's own created with ``enable_reconfigure=True`` (``_reconfig.py``).
         load_state_dict: applies a healed state, what ``state_dict`` returned on a peer (key ``"default"``).
         state_dict: returns the state a healing peer receives (model, optimizer, ...).
         min_replica_size: fewest participating replica groups a step needs to commit.
@@ -99,7 +100,7 @@ class Manager(GroupConnection):
 
     def __init__(
         self,
-        pg: ReconfigurableProcessGroup,
+        pg: ReconfigurableProcessGroup | Any,
         load_state_dict: Callable[[Any], None] | None,
         state_dict: Callable[[], Any] | None,
         min_replica_size: int,
@@ -125,6 +126,7 @@ class Manager(GroupConnection):
         sdc_check: bool | None = None,
         sdc_check_every: int | None = None,
     ) -> None:
+        pg, kind = _reconfig.adapt(pg)  # TypeError for a group that can be neither (re)configured
         self._pg = pg
         #: Serve and apply heals on the training thread (see the module docstring); the
         #: FSDP helper turns it on. ``heal_mesh``: the mesh for received DTensors that the
@@ -171,6 +173,8 @@ class Manager(GroupConnection):
         now = time.monotonic()  # the current round (start_quorum .. should_commit), then the finished ones
         self._cur = _Round(StepRecord(round=0, step=0, since=now, started=now))
         self._rounds = RoundLog()  # the finished ones
+        self._configurer = _reconfig.Configurer(pg, kind, self._group_rank, self._group_world_size, self._timeout,
+                                                self._log)
         self._ff = FailFast(pg, self._log, str(replica_id), self._timeout, on_error=self._note_error)
         self._guard = SdcGuard.from_settings(sdc_check, sdc_check_every, self._log)  # or RALLYPOINT_SDC_CHECK*
         self._injector = Injector(str(replica_id), lambda: self._user_state.snapshot(dict)["user"], self._closing)
@@ -197,6 +201,7 @@ class Manager(GroupConnection):
             self.shutdown(wait=False)
             raise
         self._ff.replica_id = self._injector.replica = self._replica_id
+        self._configurer.set_replica(self._replica_id, hostname)
 
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
@@ -321,6 +326,7 @@ class Manager(GroupConnection):
                 commit_failures=self._commit_failures,
                 init_sync=self._init_sync,
                 step_stats=stats,
+                **self._configurer.quorum_kwargs(self._client._quorum),  # the group's reconfigure handle
             )
         except Exception as e:  # noqa: BLE001
             if isinstance(e, ConnectionError):
@@ -354,20 +360,12 @@ class Manager(GroupConnection):
         rec.participants, rec.max_step = tuple(q.replica_ids), q.max_step
         rec.participating_rank, rec.participating_world_size = prank, pws
 
-        if q.quorum_id != self._ff.quorum_id:
-            store = f"{q.store_address}/rallypoint/{q.quorum_id}/{self._group_rank}"
-            self._log.info(
-                "reconfiguring for quorum %d: replica rank %d/%d, store %s, max_step %d",
-                q.quorum_id, q.replica_rank, q.replica_world_size, store, q.max_step,
-            )
+        if q.quorum_id != self._ff.quorum_id:  # configure or reconfigure: see _reconfig.py
             rec.reconfigured = True
             t0 = time.monotonic()
             try:
                 self._ff.quorum_id = q.quorum_id
-                self._pg.configure(
-                    store, self._replica_id, q.replica_rank, q.replica_world_size,
-                    quorum_id=q.quorum_id, group_rank=self._group_rank, group_world_size=self._group_world_size,
-                )
+                self._configurer.apply(q)
             except Exception as e:  # noqa: BLE001
                 self._log.warning("process group configure failed: %s", e)
                 self.report_error(e)

@@ -17,6 +17,8 @@ The rules (docs/design.md, "The manager"), matching torchft 0.2.0's answers exce
   (member ``g % n``): with groups of several ranks, group rank 0 of a replica would then
   start from one replica's initial state and group rank 1 from another's, so the ranks
   of one group would hold different models (a test found exactly that);
+* ``reconfigure_handles`` (torchft 0.3): the handle of ``group_rank`` in every member, in
+  replica order, ``''`` where a member sent none (as torchft-nightly's ManagerServer);
 * the members that do not heal serve the healing ones in order, round-robin, starting
   at offset ``group_rank`` so that different group ranks load different sources (all
   sources are identical: they committed the same steps).
@@ -33,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from rallypoint._net.handles import handles_for_rank
 
 if TYPE_CHECKING:  # plain data in, plain data out: no runtime dependency on the lighthouse
     from rallypoint.lighthouse.client import Member, Quorum
@@ -62,6 +66,9 @@ class QuorumResult:
     stripe_dst_replica_ranks: list[int] = field(default_factory=list)
     #: fault injections for this replica group (rallypoint only; JSON, see manager/_inject.py)
     inject: bytes = b""
+    #: torchft 0.3: this group rank's reconfigure handle in every member, in replica order
+    #: (``''`` where a member sent none); see rallypoint/_net/handles.py
+    reconfigure_handles: list[str] = field(default_factory=list)
 
 
 def compute_quorum_result(quorum: Quorum, replica_id: str, group_rank: int, init_sync: bool = True) -> QuorumResult:
@@ -123,6 +130,7 @@ def compute_quorum_result(quorum: Quorum, replica_id: str, group_rank: int, init
         recover_src_replica_ranks=stripe,
         recover_src_manager_addresses=[members[i].address for i in stripe],
         stripe_dst_replica_ranks=list(healers) if replica_rank in sources and healers else [],
+        reconfigure_handles=handles_for_rank((m.reconfigure_handles for m in members), group_rank),
     )
 
 

@@ -11,7 +11,10 @@ group rank 0 in a background thread with its own asyncio loop.
   The lighthouse call is bounded by the waiting ranks' own gRPC deadlines; when it fails,
   every waiting rank gets that error at once (torchft leaves them hanging).
   A rank whose call goes away before the group is complete is taken out of the round.
-  Bad step stats are INVALID_ARGUMENT and change nothing.
+  Bad step stats are INVALID_ARGUMENT and change nothing. torchft 0.3's reconfigure
+  handles: the ranks' go up in the group's member (index = group rank), each rank gets its
+  own in every member, in replica order; a bad or repeated one is INVALID_ARGUMENT
+  (:mod:`rallypoint._net.handles`).
 * ``ShouldCommit``: votes are keyed by step; the decision is true only if every rank
   voted true for that step. An undecided vote whose caller went away is withdrawn.
 * ``CheckpointMetadata(rank)``: what that rank sent with its last ``Quorum``.
@@ -44,6 +47,7 @@ import grpc
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net.auth import TokenInterceptor, job_token
 from rallypoint._net.fds import raise_open_file_limit
+from rallypoint._net.handles import group_handles, rank_handle_refusal
 from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES, MAX_REASON_BYTES, MAX_REPLICA_ID_BYTES, utf8_len
 from rallypoint._net.peercap import PeerCap
 from rallypoint._net.rpc import seconds, server_options, unary_handler
@@ -346,9 +350,14 @@ class ManagerServer(InProcessCalls):
         """One rank's part of a quorum round (gRPC and in-process callers alike), with its
         checked step stats; raises :class:`_Failure`. Cancelling the caller withdraws the rank."""
         rank = req.group_rank
+        rnd = self._rounds.get(req.step)
+        why = rank_handle_refusal(req.reconfigure_handle, rank,
+                                  {g: r.reconfigure_handle for g, r in rnd.requests.items()} if rnd else {})
+        if why is not None:  # torchft 0.3's handle: checked before anything changes
+            log.warning("[%s] refused quorum for group rank %d: %s", self.replica_id, rank, why)
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, f"replica {self.replica_id}: {why}")
         self._metadata[rank] = req.checkpoint_metadata
         now = time.monotonic()
-        rnd = self._rounds.get(req.step)
         if rnd is None:
             others = {s: sorted(r.requests) for s, r in self._rounds.items()}
             if others:
@@ -418,7 +427,9 @@ class ManagerServer(InProcessCalls):
                                 store_address=self.store_addr, step=rnd.step, world_size=self.world_size,
                                 shrink_only=group.shrink_only, data=json.dumps(group.data),
                                 commit_failures=group.commit_failures,
-                                on_trailing=functools.partial(self._injections, rnd))
+                                on_trailing=functools.partial(self._injections, rnd),
+                                reconfigure_handles=group_handles(
+                                    {g: r.reconfigure_handle for g, r in rnd.requests.items()}, self.world_size))
         attempt = 0
         while True:
             try:

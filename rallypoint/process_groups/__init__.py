@@ -1,7 +1,8 @@
 """Reconfigurable process groups for fault-tolerant data parallelism.
 
 See docs/design.md, "Process groups". Everything here is a ``torch.distributed.ProcessGroup``
-whose membership is replaced by ``configure()`` at every quorum change, whose waits
+whose membership is replaced by ``configure()`` (torchft 0.2) or ``reconfigure()`` (torchft
+0.3 / torch >= 2.14, with :class:`ReconfigureOptions`) at every quorum change, whose waits
 are bounded by a timeout, and whose failures surface through ``errored()``.
 
 The names below are imported from their submodules on first access (PEP 562), so that
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from .baby import ProcessGroupBaby, ProcessGroupBabyGloo, ProcessGroupBabyNCCL
     from .nccl import ProcessGroupNCCL
     from .protocols import AllgatherGroup, ReconfigurableProcessGroup
+    from .reconfigure import ReconfigureOptions
     from .wrappers import (
         ErrorSwallowingProcessGroupWrapper,
         FakeProcessGroupWrapper,
@@ -47,6 +49,7 @@ _LAZY: dict[str, str] = {
     "ProcessGroupNCCL": "nccl",
     "AllgatherGroup": "protocols",
     "ReconfigurableProcessGroup": "protocols",
+    "ReconfigureOptions": "reconfigure",
     "ErrorSwallowingProcessGroupWrapper": "wrappers",
     "FakeProcessGroupWrapper": "wrappers",
     "ManagedCollectives": "wrappers",
@@ -90,4 +93,5 @@ __all__ = [
     "NotConfiguredError",
     "AllgatherGroup",
     "ReconfigurableProcessGroup",
+    "ReconfigureOptions",
 ]

@@ -33,6 +33,7 @@ from torch.distributed.distributed_c10d import (
 )
 
 from ._shm import map_received, view
+from .base import GroupConfig
 
 logger = logging.getLogger("rallypoint.process_groups.baby.child")
 
@@ -283,10 +284,13 @@ def child_main(conn: Connection, kind: str, cfg: dict[str, Any], timeout_s: floa
         raise ValueError(kind)
     runner = Runner(pg, timeout)
     try:
-        pg.configure(
-            cfg["store_addr"], cfg["replica_id"], cfg["rank"], cfg["world_size"], cfg["quorum_id"],
-            cfg["group_rank"], cfg["group_world_size"], cfg["global_ranks"],
-        )
+        pg._apply_config(GroupConfig(
+            store_addr=cfg["store_addr"], replica_id=cfg["replica_id"], rank=cfg["rank"],
+            world_size=cfg["world_size"], quorum_id=cfg["quorum_id"], group_rank=cfg["group_rank"],
+            group_world_size=cfg["group_world_size"],
+            global_ranks=tuple(cfg["global_ranks"]) if cfg["global_ranks"] else None,
+            exact_prefix=bool(cfg.get("exact_prefix", False)),
+        ))
     except Exception as e:  # noqa: BLE001
         conn.send(("configure_failed", str(e)))
         return

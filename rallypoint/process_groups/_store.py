@@ -105,8 +105,12 @@ def fresh_prefix_store(
     group_rank: int | None,
     timeout: timedelta,
     clients: StoreClients | None = None,
+    exact: bool = False,
 ) -> tuple[Store, str]:
     """Connect to the store and return ``(PrefixStore, prefix)`` for one configure.
+
+    ``exact``: use the address's prefix as it is (a ``reconfigure()``, whose prefix
+    ``torchft/<uuid>`` is already fresh and must match torchft-nightly's groups').
 
     The attempt number is ``store.add(<prefix>/attempt/r<rank>, 1)``: the n-th
     configure of rank r for this (quorum, group rank) meets the n-th configure of
@@ -114,6 +118,10 @@ def fresh_prefix_store(
     """
     parsed = parse_store_addr(store_addr)
     raw = clients.get(parsed, timeout) if clients is not None else connect_store(parsed, timeout)
+    if exact:
+        if not parsed.prefix:
+            raise ValueError(f"store address {store_addr!r} has no prefix")
+        return PrefixStore(parsed.prefix, raw), parsed.prefix
     base = configure_prefix(parsed.prefix, quorum_id, group_rank)
     try:
         attempt = raw.add(f"{base}/attempt/r{rank}", 1)

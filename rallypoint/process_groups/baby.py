@@ -123,6 +123,7 @@ class ProcessGroupBaby(ProcessGroup):
             "group_world_size": cfg.group_world_size,
             "global_ranks": list(cfg.global_ranks) if cfg.global_ranks else None,
             "spawn_grace_s": SPAWN_GRACE.total_seconds(),
+            "exact_prefix": cfg.exact_prefix,
         }
 
     def _configure(self, cfg: GroupConfig) -> None:

@@ -24,7 +24,8 @@ from torch.distributed import Store
 from torch.distributed.distributed_c10d import Work
 
 from .errors import NotConfiguredError, ProcessGroupAborted, ProcessGroupError
-from .work import OpInfo
+from .reconfigure import HandleStore, ReconfigureOptions, make_handle, new_handle_id, rendezvous_of
+from .work import CompletedWork, OpInfo
 
 logger = logging.getLogger("rallypoint.process_groups.base")
 
@@ -44,6 +45,10 @@ class GroupConfig:
     group_rank: int | None = None
     group_world_size: int | None = None
     global_ranks: tuple[int, ...] | None = None
+    #: The store prefix is used as given (a ``reconfigure()``: all ranks meet under
+    #: ``torchft/<uuid>`` exactly as torchft-nightly's groups do, so theirs and ours can
+    #: share a communicator); else each configure draws a fresh sub-prefix (``_store.py``).
+    exact_prefix: bool = False
 
     def group_name(self) -> str:
         """A name torch can show in logs / flight records; unique per quorum and group rank."""
@@ -71,6 +76,10 @@ class ProcessGroup(_TorchProcessGroup):
         self._configures = 0
         self._registered_name: str | None = None
         self._group_name: str | None = None
+        # torchft 0.3's reconfigure API (see reconfigure.py): who we are, our handle's store.
+        self._reconfigure_id = new_handle_id()
+        self._handle_store: HandleStore | None = None
+        self._rank_info: tuple[str, int | None, int | None, int | None] = ("0", None, None, None)
 
     # ------------------------------------------------------------------ contract
 
@@ -93,7 +102,7 @@ class ProcessGroup(_TorchProcessGroup):
         """
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"configure: rank {rank} is not in a group of {world_size}")
-        cfg = GroupConfig(
+        self._apply_config(GroupConfig(
             store_addr=store_addr,
             replica_id=replica_id,
             rank=rank,
@@ -102,7 +111,13 @@ class ProcessGroup(_TorchProcessGroup):
             group_rank=group_rank,
             group_world_size=group_world_size,
             global_ranks=tuple(global_ranks) if global_ranks else None,
-        )
+        ))
+
+    def _apply_config(self, cfg: GroupConfig) -> None:
+        """Tear down the old communicator and build the one ``cfg`` describes (what
+        ``configure()`` and ``reconfigure()`` share; wrappers delegate it)."""
+        replica_id, rank, world_size, quorum_id = cfg.replica_id, cfg.rank, cfg.world_size, cfg.quorum_id
+        group_rank = cfg.group_rank
         self._teardown()
         with self._error_lock:
             self._error = None
@@ -125,6 +140,54 @@ class ProcessGroup(_TorchProcessGroup):
             self._teardown()
             raise err from e
 
+    # ------------------------------------------------------------------ torchft 0.3 / torch 2.14 API
+
+    @property
+    def supports_reconfigure(self) -> bool:  # type: ignore[override]
+        """True: this group has the reconfigure API (torchft 0.3, torch >= 2.14)."""
+        return True
+
+    def set_rank_info(self, replica_id: str, group_rank: int, group_world_size: int,
+                      global_rank: int | None = None) -> None:
+        """This rank's identity, used by the next ``reconfigure()`` (``global_rank``
+        travels in the handle, as torchft's)."""
+        self._rank_info = (str(replica_id), int(group_rank), int(group_world_size),
+                           None if global_rank is None else int(global_rank))
+
+    def _handle_id(self) -> str:
+        return self._reconfigure_id
+
+    def set_handle_host(self, host: str) -> None:
+        """The address this group's handle store advertises when ``RALLYPOINT_PG_HOST`` is
+        unset (the Manager passes its ``hostname``); used when the store opens."""
+        if self._handle_store is None:
+            self._handle_store = HandleStore()
+        self._handle_store.hostname = host
+
+    def get_reconfigure_handle(self) -> str:  # type: ignore[override]
+        """This group's handle (torchft-nightly's JSON shape): its id, the address of the
+        store it hosts for the reconfigures it leads, its global rank. The store opens on
+        the first call (``RALLYPOINT_PG_HOST``, else :meth:`set_handle_host`, else the
+        host's name chooses its network; see reconfigure.py)."""
+        if self._handle_store is None:
+            self._handle_store = HandleStore()
+        return make_handle(self._handle_id(), self._handle_store.address(), self._rank_info[3])
+
+    def reconfigure(self, opts: ReconfigureOptions) -> Work:  # type: ignore[override]
+        """Build the communicator for ``opts.handles`` (rank = position of our own
+        handle; all meet on the first handle's store under ``torchft/<opts.uuid>``).
+        Blocks until it is built (bounded by the group's timeout, as torchft's groups)
+        and returns a completed Work; raises a ProcessGroupError like ``configure()``,
+        and a ValueError naming the handle for handles that are not torchft handles."""
+        rdv = rendezvous_of(opts.uuid, opts.handles, self._handle_id())
+        replica_id, group_rank, group_world_size, _ = self._rank_info
+        self._apply_config(GroupConfig(
+            store_addr=rdv.store_addr, replica_id=replica_id, rank=rdv.rank, world_size=rdv.world_size,
+            quorum_id=rdv.uuid, group_rank=group_rank, group_world_size=group_world_size,
+            global_ranks=rdv.global_ranks, exact_prefix=True,
+        ))
+        return CompletedWork(None)
+
     def abort(self) -> None:
         """Stop the group now: pending and future ops fail until the next configure."""
         self._record_abort()
@@ -144,6 +207,9 @@ class ProcessGroup(_TorchProcessGroup):
         """Release every resource (threads, children, sockets); the group is unusable after."""
         self._teardown()
         self._config = None
+        if self._handle_store is not None:
+            self._handle_store.close()
+            self._handle_store = None
 
     def errored(self) -> Exception | None:
         """The first error since the last configure (None while healthy)."""

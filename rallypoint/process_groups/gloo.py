@@ -145,11 +145,12 @@ class TorchBackendGroup(ProcessGroup):
         store, prefix = fresh_prefix_store(
             cfg.store_addr, rank=cfg.rank, quorum_id=cfg.quorum_id, group_rank=cfg.group_rank,
             timeout=self._connect_timeout or self._timeout,
-            clients=self._clients,
+            clients=self._clients, exact=cfg.exact_prefix,
         )
-        if self._connect_timeout is not None:
+        if self._connect_timeout is not None and not cfg.exact_prefix:
             # Meet every peer first with the patient timeout; the backend's own connect
-            # (and its op timeout) then starts when all are there.
+            # (and its op timeout) then starts when all are there. Not in a reconfigure:
+            # a torchft-nightly peer in the same rendezvous would never arrive at it.
             store_barrier(store, cfg.world_size, self._connect_timeout)
         t1 = time.monotonic()
         try:

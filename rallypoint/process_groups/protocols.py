@@ -45,7 +45,9 @@ class ReconfigurableProcessGroup(AllgatherGroup, Protocol):
     peer fail at once.
 
     A structural type so that any group plugs in (see the module docstring):
-    rallypoint's groups, torchft 0.2's, a user's own. ``shutdown()`` is not part of it:
+    rallypoint's groups, torchft 0.2's, a user's own. The Manager also takes groups that
+    have torchft 0.3's ``reconfigure()`` instead of ``configure()`` (torchft-nightly's,
+    torch's own created with ``enable_reconfigure=True``): see ``manager/_reconfig.py``. ``shutdown()`` is not part of it:
     the group belongs to the caller, and the manager never shuts it down.
     """
 

@@ -119,8 +119,24 @@ class ProcessGroupWrapper(ProcessGroup):
     def parent(self) -> ProcessGroup:
         return self._pg
 
-    def configure(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        self._pg.configure(*args, **kwargs)
+    def _apply_config(self, cfg: GroupConfig) -> None:
+        # configure() and reconfigure() both end here: the inner group is rebuilt.
+        self._pg._apply_config(cfg)
+
+    # The reconfigure identity is the inner group's, so its handle and ours are one.
+    def set_rank_info(self, replica_id: str, group_rank: int, group_world_size: int,
+                      global_rank: int | None = None) -> None:
+        super().set_rank_info(replica_id, group_rank, group_world_size, global_rank)
+        self._pg.set_rank_info(replica_id, group_rank, group_world_size, global_rank)
+
+    def _handle_id(self) -> str:
+        return self._pg._handle_id()
+
+    def get_reconfigure_handle(self) -> str:  # type: ignore[override]
+        return self._pg.get_reconfigure_handle()
+
+    def set_handle_host(self, host: str) -> None:
+        self._pg.set_handle_host(host)
 
     def abort(self) -> None:
         self._pg.abort()
@@ -225,10 +241,10 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
     def errored(self) -> Exception | None:
         return self._swallowed or self._pg.errored()
 
-    def configure(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def _apply_config(self, cfg: GroupConfig) -> None:
         with self._lock:
             self._swallowed = None
-        self._pg.configure(*args, **kwargs)
+        super()._apply_config(cfg)
 
     def _call(self, name: str, *args: Any) -> Work:
         first = args[0] if args else None
@@ -263,10 +279,10 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
         self._lock = threading.Lock()
         self.injected = 0
 
-    def configure(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def _apply_config(self, cfg: GroupConfig) -> None:
         with self._lock:
             self._broken = None
-        super().configure(*args, **kwargs)
+        super()._apply_config(cfg)
 
     def inject(self, exc: Exception | None = None, on: str = "wait") -> None:
         if on not in ("wait", "call"):
@@ -327,6 +343,14 @@ class ManagedProcessGroup(ProcessGroup):
 
     def configure(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         raise NotImplementedError("a ManagedProcessGroup is configured by its manager, not directly")
+
+    @property
+    def supports_reconfigure(self) -> bool:  # type: ignore[override]
+        """False: its manager reconfigures the group underneath, never this one."""
+        return False
+
+    def reconfigure(self, opts: Any) -> Work:  # type: ignore[override]
+        raise NotImplementedError("a ManagedProcessGroup is reconfigured by its manager, not directly")
 
     def size(self) -> int:
         return self._comm.num_participants()
