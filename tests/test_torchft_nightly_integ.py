@@ -26,6 +26,7 @@ import pytest
 import torch.distributed as dist
 
 from torchft_site import (
+    PER_FILE_TIMEOUT_S,
     EXCEPTIONS as EXCEPTIONS_020,
     RACY,
     SKIP_REASONS,
@@ -93,6 +94,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_site(tmp_path_factory.mktemp("torchft_nightly_site"), wheel=TORCHFT_NIGHTLY)
 
 
+# A file's run has its own deadlines (PER_FILE_TIMEOUT_S, PER_TEST_TIMEOUT_S inside), and a
+# racy failure two reruns: the suite's 120 s must not cut it short and hide which test hung.
+@pytest.mark.timeout(3 * PER_FILE_TIMEOUT_S + 60)
 @pytest.mark.parametrize("rel", sorted(COUNTS))
 def test_torchft_nightly_integration_tests_pass_against_rallypoint(site: Path, rel: str) -> None:
     results, tail = run_file(site, rel)
