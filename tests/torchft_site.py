@@ -194,9 +194,9 @@ RACY = {
         "replica 0 waits at a barrier until the two others reach manager step 2, then asks its first quorum; "
         "the others go on to step 4 (two more syncs, 8 tiny inner steps) and leave. When replica 0's thread "
         "is slow to reach its first inner step (2 loaded cores), they are gone before its request arrives "
-        "and it times out alone (min_replicas=2): seen in full-file runs on a loaded machine (_01 and _10, "
-        "torch 2.14.1); 36 of 36 runs of the upscale tests alone pass, and 4 of 4 full-file runs on torch "
-        "2.13.0 and 2.14.1 when the machine is less loaded"
+        "and it times out alone (min_replicas=2): seen in full-file runs on a loaded machine (_01, _10, _11 "
+        "on torch 2.14.1, _05 on 2.13.0, both wheels' copies of the test); 36 of 36 runs of the upscale tests "
+        "alone pass, and 4 of 4 full-file runs on torch 2.13.0 and 2.14.1 when the machine is less loaded"
     ),
 }
 
