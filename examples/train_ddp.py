@@ -10,6 +10,9 @@ it heals from a live peer instead of reading a checkpoint::
     rallypoint run --nproc-per-node 2 --replica-group-id 1 examples/train_ddp.py &
 
 (or ``REPLICA_GROUP_ID=0 torchrun --nproc-per-node 2 --master-port 29600 examples/train_ddp.py``).
+With ``--checkpoint-dir DIR --checkpoint-every N`` (or ``rallypoint run --checkpoint-dir DIR``)
+the groups also write a durable checkpoint every N steps, and a job that lost every group
+resumes from the newest complete one.
 Environment: ``REPLICA_GROUP_ID`` (this group's index, also its data shard),
 ``NUM_REPLICA_GROUPS``, ``RALLYPOINT_LIGHTHOUSE``, and torchrun's ``RANK``/``WORLD_SIZE``/
 ``MASTER_ADDR``/``MASTER_PORT`` (plain ``python``: rank 0 of a group of one). Every group
@@ -48,6 +51,10 @@ def main(hook: Hook | None = None) -> None:
     ap.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups a step commits with (1)")
     ap.add_argument("--timeout", type=float, default=10.0, help="collective and heal timeout, seconds (10)")
     ap.add_argument("--sleep", type=float, default=0.0, help="simulated compute seconds per step (0)")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="durable checkpoints, shared by every group (a folder or fsspec URL): written every "
+                         "--checkpoint-every steps, the newest complete one restored when the job starts again")
+    ap.add_argument("--checkpoint-every", type=int, default=100, help="committed steps between checkpoints (100)")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args()
 
@@ -89,6 +96,10 @@ def main(hook: Hook | None = None) -> None:
     manager = rallypoint.Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
                                  min_replica_size=args.min_replicas, timeout=timeout, quorum_timeout=3 * timeout)
     manager.register_state_dict_fn("sampler", sampler.load_state_dict, sampler.state_dict)
+    if args.checkpoint_dir and not os.environ.get("RALLYPOINT_CHECKPOINT_DIR"):  # that one needs no code
+        # Every group writes a share every N steps, off the training thread; a job that lost
+        # every group resumes from the newest complete one (docs/checkpoint.md).
+        rallypoint.DurableCheckpoint(manager, args.checkpoint_dir, every=args.checkpoint_every)
     # Averages the gradients over every rank of every participating group, as torch's DDP would.
     ddp = rallypoint.DistributedDataParallel(manager, model)
     optimizer = rallypoint.Optimizer(manager, inner)  # zero_grad starts the quorum, step steps on commit

@@ -12,6 +12,11 @@ from a live one (model and optimizer shards, group rank g from group rank g)::
 
 Every group has the same number of ranks: group rank g holds the same shard in every group
 and averages it with them. Environment as in ``train_ddp.py``. gloo on CPU, NCCL on GPU.
+
+With ``--checkpoint-dir DIR --checkpoint-every N`` (or ``rallypoint run --checkpoint-dir DIR``)
+the groups also write a durable checkpoint every N steps: every rank of every group writes
+its own shards of its group's part, off the training thread; a job that lost every group
+resumes from the newest complete one (model and optimizer shards, the data position).
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ def main(hook: Hook | None = None) -> None:
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (1e-3)")
     ap.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups a step commits with (1)")
     ap.add_argument("--timeout", type=float, default=10.0, help="collective and heal timeout, seconds (10)")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="durable checkpoints, shared by every group (a folder or fsspec URL): written every "
+                         "--checkpoint-every steps, the newest complete one restored when the job starts again")
+    ap.add_argument("--checkpoint-every", type=int, default=100, help="committed steps between checkpoints (100)")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args()
 
@@ -80,6 +89,9 @@ def main(hook: Hook | None = None) -> None:
                                   shard_submodules=(nn.Linear,))
     assert fsdp.optimizer is not None
     optimizer = rallypoint.Optimizer(manager, fsdp.optimizer)  # zero_grad starts the quorum
+    if args.checkpoint_dir and not os.environ.get("RALLYPOINT_CHECKPOINT_DIR"):  # that one needs no code
+        # Restored at the first round (before the first quorum), AdamW's moments included.
+        rallypoint.DurableCheckpoint(manager, args.checkpoint_dir, every=args.checkpoint_every)
     state = {"manager": manager, "model": model, "optimizer": fsdp.optimizer}
     stop = bool(hook and hook("ready", **state))
 

@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     "LivenessStream": "rallypoint.lighthouse.client:LivenessStream",
     "Manager": "rallypoint.manager.manager:Manager",
     "WorldSizeMode": "rallypoint.manager.manager:WorldSizeMode",
+    "DurableCheckpoint": "rallypoint.checkpoint.durable:DurableCheckpoint",
     "DistributedDataParallel": "rallypoint.integrations.ddp:DistributedDataParallel",
     "Optimizer": "rallypoint.integrations.optim:Optimizer",
     "OptimizerWrapper": "rallypoint.integrations.optim:OptimizerWrapper",

@@ -148,6 +148,20 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
         sdc_check=bool(opts.get("sdc", False)), sdc_check_every=int(opts.get("sdc_every", 0)),
     )
     m.register_sdc_params(list(model.parameters()))
+    if fault.get("at") == "mid_transfer":  # the source dies after sending part of a heal's data
+        served = m._transport
+        pieces = served._pieces
+
+        def dying(sv: Any, start: int, end: int, with_header: bool) -> Any:
+            it = pieces(sv, start, end, with_header)
+            if with_header or not at("mid_transfer"):
+                yield from it
+                return
+            first = next(it)
+            yield first[: max(1, len(first) // 2)]
+            _die()
+
+        served._pieces = dying
     gen = torch.Generator().manual_seed(1000 + seed)
     history: list[list[int]] = []
     failed: list[int] = []  # current_step() of the rounds that did not commit

@@ -59,3 +59,19 @@ def test_dashboard_shows_the_job_its_url_names(lighthouse, client) -> None:
     assert "<title>rallypoint lighthouse: b</title>" in dom
     dom = _render(f"{lh.http_address()}/?job=a")  # the other job, by the same route the picker takes
     assert "replica_of_a" in dom and "replica_of_b" not in dom, dom[-3000:]
+
+
+def test_dashboard_shows_each_groups_last_complete_checkpoint(lighthouse, client) -> None:
+    from test_ledger import ask_concurrently, assert_one_quorum, report
+
+    lh = lighthouse(min_replicas=2, http_bind="127.0.0.1:0")
+    c = client(lh)
+    ckpt = {"group_a": {"step": 60, "age_s": 30.0, "writes": 2, "bytes": 100, "failures": 0},
+            "group_b": {"writes": 0, "failures": 3}}
+    for step in range(3):
+        answers = ask_concurrently(c, list(ckpt), timeout=10.0, kw_for=lambda rid: {
+            "step": step, "data": report(step - 1, ckpt=ckpt[rid]) if step else ""})
+        assert_one_quorum(answers, list(ckpt))
+    dom = _render(f"{lh.http_address()}/")
+    assert re.search(r">step 60, [0-9.]+ s ago<", dom), dom[-3000:]
+    assert re.search(r'<span class="warn">none yet</span>', dom), dom[-3000:]  # group_b: failures, no checkpoint

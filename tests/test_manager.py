@@ -57,16 +57,20 @@ def test_late_replica_heals_from_peer(lighthouse_factory, replicas_factory, use_
 
 
 @pytest.mark.interop
-def test_late_replica_heals_with_torchfts_own_http_transport(lighthouse_factory, replicas_factory) -> None:
+@pytest.mark.parametrize("training_thread", [False, True], ids=["quorum_thread", "training_thread"])
+def test_late_replica_heals_with_torchfts_own_http_transport(lighthouse_factory, replicas_factory,
+                                                             training_thread: bool) -> None:
     """A torchft user passes torchft 0.2.0's ``HTTPTransport`` as ``checkpoint_transport``:
-    our Manager serves and fetches with it (its methods only), the late replica heals, and
-    both end identical (momentum buffers included)."""
+    our Manager serves and fetches with it (its methods only: no ``into=`` on the training
+    thread, the default), the late replica heals, and both end identical (momentum buffers
+    included)."""
     pytest.importorskip("torchft.checkpointing.http_transport")
     lh = lighthouse_factory(min_replicas=1, join_timeout_ms=200)
     r = replicas_factory(lh)
-    r.start("replica_0", seed=1, delay=0.1, optimizer="torch", transport="torchft_http")
+    opts = {"optimizer": "torch", "transport": "torchft_http", "training_thread": training_thread}
+    r.start("replica_0", seed=1, delay=0.1, **opts)
     r.wait_for("replica_0 at step 3", lambda: r.step("replica_0") >= 3, 30)
-    r.start("replica_1", seed=2, delay=0.1, optimizer="torch", transport="torchft_http")
+    r.start("replica_1", seed=2, delay=0.1, **opts)
     r.wait_for("replica_1 healed", lambda: r.step("replica_1") >= 4, 30)
     target = max(r.step("replica_0"), r.step("replica_1")) + 4
     r.finish(target, timeout=30)

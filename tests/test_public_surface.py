@@ -17,6 +17,7 @@ PUBLIC = [
     "DiLoCo",
     "DistributedDataParallel",
     "DistributedSampler",
+    "DurableCheckpoint",
     "HTTPTransport",
     "LighthouseClient",
     "LighthouseServer",

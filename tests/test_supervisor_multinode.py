@@ -240,7 +240,7 @@ def test_an_endpoint_that_never_answers_gives_up_within_the_timeout(procs, tmp_p
     took = time.monotonic() - t
     err = p.stderr_text()
     assert f"gave up: could not reach the rendezvous endpoint {NODE_ADDRS[0]}:{port} within --rdzv-timeout 4s" in err, err
-    assert took < 4 + 10, took  # the timeout, plus the interpreter's start
+    assert took < 4 + 20, took  # the timeout, plus the interpreter's start (slow on a loaded 2-core machine)
     _gone(p, strays)
 
 
@@ -250,7 +250,7 @@ def test_a_node_that_never_arrives_gives_up_within_the_timeout(procs, tmp_path: 
     assert p.wait(30) == 1, p.stderr_text()[-3000:]
     took = time.monotonic() - t
     assert "gave up: the group's 2 nodes did not all arrive within --rdzv-timeout 4s" in p.stderr_text()
-    assert took < 4 + 10, took
+    assert took < 4 + 20, took  # the timeout, plus a slow interpreter start under load
     _gone(p, strays)
 
 

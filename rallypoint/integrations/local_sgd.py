@@ -88,6 +88,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -104,7 +105,11 @@ log = logging.getLogger("rallypoint.integrations.local_sgd")
 USE_BUCKETIZATION_ENV = "TORCHFT_USE_BUCKETIZATION"  # torchft's switch, honoured for drop-in use
 RALLYPOINT_USE_BUCKETIZATION_ENV = "RALLYPOINT_USE_BUCKETIZATION"
 DEFAULT_BUCKET_CAP_BYTES = 1024 * 1024 * 1024  # torchft's default: 1 GiB
-START_ROUND_ATTEMPTS = 5
+def _quorum_budget_s(manager: Any) -> float:
+    """How long DiLoCo's start round keeps retrying: the manager's quorum timeout (as
+    torchft keeps trying for a quorum), 60 s for a manager that has none."""
+    qt: Any = getattr(manager, "_quorum_timeout", None)
+    return float(qt.total_seconds()) if hasattr(qt, "total_seconds") else 60.0
 
 
 class _InnerStepHook:
@@ -329,7 +334,13 @@ class DiLoCo(_InnerStepHook):
         the primary's initial state and commits a setup round, which the manager does not
         count as a step; a replica that finds the others past step 0 joins their running
         round instead."""
-        for attempt in range(1, START_ROUND_ATTEMPTS + 1):
+        from rallypoint.manager._retry import keep_retrying, retry_pause_s
+
+        budget = _quorum_budget_s(self._manager)
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
             for f in self._fragments:
                 f.save_global()  # the parameters as of entering: what a peer would heal from
             self._manager.start_quorum()
@@ -354,8 +365,14 @@ class DiLoCo(_InnerStepHook):
                     f.restore_global()
                 log.info("DiLoCo: start round committed; starting from the agreed global parameters")
                 return "started"
-            log.warning("DiLoCo: start round failed (attempt %d/%d); retrying", attempt, START_ROUND_ATTEMPTS)
-        raise RuntimeError(f"DiLoCo: the start round failed {START_ROUND_ATTEMPTS} times; see the manager's errors")
+            now = time.monotonic()
+            if not keep_retrying(started, now, budget):
+                raise RuntimeError(f"DiLoCo: the start round failed {attempt} times over {now - started:.1f} s, the "
+                                   f"quorum timeout ({budget:.0f} s); see the manager's errors")
+            pause = retry_pause_s(attempt, started, now, budget)
+            log.warning("DiLoCo: start round failed (attempt %d, %.1f s of the %.0f s quorum timeout); retrying in "
+                        "%.2f s", attempt, now - started, budget, pause)
+            time.sleep(pause)  # a backoff between rounds, bounded by the budget
 
 
 __all__ = ["DiLoCo", "LocalSGD"]

@@ -9,6 +9,7 @@ import logging
 from typing import Any, Callable
 
 from rallypoint._net.ratelog import Throttle, left_out_note
+from rallypoint.lighthouse import checkpoints as ck
 from rallypoint.lighthouse import leases as ls
 from rallypoint.lighthouse import quorum as q
 from rallypoint.lighthouse import stragglers as sg
@@ -31,6 +32,7 @@ class Scoring:
     _stats_log: Throttle
     _wall: Callable[[], float]
     _sdc_seen: dict[tuple[int, str], None]
+    checkpoints: ck.CheckpointBook
 
     def revoke_lease(self, revoke: ls.Revoke | None) -> None: ...
 
@@ -38,6 +40,7 @@ class Scoring:
         """Feed the request's step timings to the straggler scorer. Never fails the
         request: ``data`` is untrusted, and a bad report only goes unscored."""
         rid = member.replica_id
+        self._checkpoint_report(rid, member.data, now)
         try:
             stats = sg.parse_step_stats(member.data)
             if stats is None:
@@ -58,6 +61,19 @@ class Scoring:
                 log.exception("[%s] straggler scoring failed; the quorum request is served regardless", rid)
             return
         self._straggler_events(events, now)
+
+    def _checkpoint_report(self, rid: str, data: str, now: float) -> None:
+        """Keep the group's durable-checkpoint figures (``step_stats.ckpt``); a bad object
+        is ignored (logged at debug, throttled), as bad step stats are."""
+        try:
+            report = ck.parse_ckpt(data)
+        except ck.BadCkpt as e:
+            left_out = self._stats_log.ready(now)
+            if left_out is not None:
+                log.debug("[%s] step_stats.ckpt ignored: %s%s", rid, e, left_out_note(left_out))
+            return
+        if report is not None:
+            self.checkpoints.observe(rid, report, now)
 
     def _sdc_event(self, rid: str, stats: sg.StepStats) -> None:
         """A corruption check failed a round: one ``sdc`` event per step and check (every

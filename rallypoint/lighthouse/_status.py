@@ -29,6 +29,7 @@ def core_status(core: "LighthouseCore") -> dict:
                 "step": core._steps.get(rid),
                 "address": core._addresses.get(rid, ""),
                 "straggler": _straggler_status(core, rid, now),
+                "checkpoint": core.checkpoints.status(rid, now),
             }
         )
     d = core.last_decision

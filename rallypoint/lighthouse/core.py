@@ -30,6 +30,7 @@ from rallypoint.lighthouse import quorum as q
 from rallypoint.lighthouse import stragglers as sg
 from rallypoint.lighthouse._scoring import Scoring
 from rallypoint.lighthouse._ledger_store import GoodputBook
+from rallypoint.lighthouse.checkpoints import CheckpointBook
 from rallypoint.lighthouse.injections import InjectionDesk
 from rallypoint.lighthouse.metrics import LighthouseMetrics
 from rallypoint.lighthouse.owners import OwnerDesk
@@ -120,6 +121,7 @@ class LighthouseCore(Scoring):
         self._waiters: dict[str, list[asyncio.Future]] = {}
         self._addresses: dict[str, str] = {}
         self._steps: dict[str, int] = {}
+        self.checkpoints = CheckpointBook()  # each group's durable checkpoints (step_stats.ckpt)
         self._attached: dict[str, _Attachment] = {}
         # Replicas whose stream broke: stray heartbeats are ignored until they re-attach
         # or ask for a quorum, so an in-flight heartbeat cannot resurrect a crashed one.
@@ -530,6 +532,7 @@ class LighthouseCore(Scoring):
             for rid in [r for r in held if r not in known]:
                 del held[rid]
         self.owners.keep_only(known - set(self._dead))
+        self.checkpoints.keep_only(known)
         for rid in [r for r in self.stragglers.groups() if r not in known]:
             self.stragglers.forget(rid)
         for rid in [r for r in self.injections.pending() if r not in known]:
@@ -544,6 +547,7 @@ class LighthouseCore(Scoring):
         tracker = self.stragglers
         self.metrics.set_stragglers(tracker.scores(), len(tracker.flagged()), len(tracker.excluded(self._clock())))
         self.metrics.set_goodput(self.goodput.summary())
+        self.metrics.set_checkpoints(self.checkpoints.rows(self._clock()))
 
     def _update_gauges(self) -> None:
         self.metrics.set_replicas(

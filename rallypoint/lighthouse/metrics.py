@@ -107,6 +107,52 @@ class _GoodputCollector:
         return iter((ratio, model, seconds, failed))
 
 
+class _CheckpointCollector:
+    """Each replica group's durable checkpointing (``checkpoints.CheckpointBook``), as last
+    set by :meth:`LighthouseMetrics.set_checkpoints`: the last complete step and its age
+    (gauges; no sample before a group's first), and its counters (writes, bytes, the
+    staging stall, failures), which the group keeps and reports, so they are set, not
+    incremented. Groups that are gone leave no series behind."""
+
+    def __init__(self) -> None:
+        self.rows: Mapping[str, Mapping[str, Any]] = {}
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily | CounterMetricFamily]:
+        label = ["replica_id"]
+        return [
+            GaugeMetricFamily("rallypoint_checkpoint_last_complete_step",
+                              "The step of the newest complete durable checkpoint a replica group knows of.",
+                              labels=label),
+            GaugeMetricFamily("rallypoint_checkpoint_age_seconds",
+                              "Seconds since that checkpoint was marked complete.", labels=label),
+            CounterMetricFamily("rallypoint_checkpoint_writes",
+                                "Checkpoint shares a replica group's ranks have written.", labels=label),
+            CounterMetricFamily("rallypoint_checkpoint_bytes", "Bytes of those shares.", labels=label),
+            CounterMetricFamily("rallypoint_checkpoint_stall_seconds",
+                                "Training time a replica group spent staging checkpoint shares (its slowest rank).",
+                                labels=label),
+            CounterMetricFamily("rallypoint_checkpoint_failures",
+                                "Checkpoint writes, commits, listings or loads that failed.", labels=label),
+        ]
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        step, age, writes, nbytes, stall, failures = fams = self._families()
+        for rid, row in sorted(self.rows.items()):
+            if row.get("last_complete_step") is not None:
+                step.add_metric([rid], float(row["last_complete_step"]))
+            if row.get("age_s") is not None:
+                age.add_metric([rid], float(row["age_s"]))
+            writes.add_metric([rid], float(row.get("writes", 0)))
+            nbytes.add_metric([rid], float(row.get("bytes", 0)))
+            stall.add_metric([rid], float(row.get("stall_s", 0.0)))
+            failures.add_metric([rid], float(row.get("failures", 0)))
+        return iter(fams)
+
+
 class LighthouseMetrics:
     """Prometheus metrics of one lighthouse, on its own CollectorRegistry.
 
@@ -210,6 +256,8 @@ class LighthouseMetrics:
         # The goodput ledger (ledger.py), named as issue 15 names it.
         self._goodput = _GoodputCollector()
         r.register(self._goodput)
+        self._checkpoints = _CheckpointCollector()
+        r.register(self._checkpoints)
         for kind in KNOWN_RUN_EVENTS:
             self._run_events.labels(kind=kind)
         for state in REPLICA_STATES:
@@ -327,6 +375,10 @@ class LighthouseMetrics:
         for cause, value in (retired.get("failed_by_cause") or {}).items():
             failed[(RETIRED_GROUPS, cause)] = float(value)
         g.seconds, g.failed = seconds, failed
+
+    def set_checkpoints(self, rows: Mapping[str, Mapping[str, Any]]) -> None:
+        """Each group's checkpoint figures (``CheckpointBook.rows``), replacing the last."""
+        self._checkpoints.rows = dict(rows)
 
     def render(self) -> bytes:
         """Prometheus text exposition (format 0.0.4) of this lighthouse's registry."""

@@ -11,34 +11,48 @@ they change (``rallypoint.transports._live``; the Manager's ``should_commit`` an
 optimizer step do), the process group finishes before returning. Another transport is
 given a copy (:func:`materialise`).
 
-How this stays out of the training step (the ``Manager``'s side):
+How this stays out of the training step (the ``Manager``'s side), and why the state being
+served is never read while the training thread changes it:
 
-Healing never writes user state while forward/backward may read it. A replica that is
-behind receives the state of an up-to-date peer through the checkpoint transport on the
-quorum thread and applies it in :meth:`should_commit` (or :meth:`wait_quorum`, or
-:meth:`start_quorum` when the quorum is synchronous). A sender serves its state as soon as
-its quorum arrives (``state_dict()`` callbacks run on the quorum thread, as in torchft),
-live, without a copy (forward and backward change neither parameters nor optimizer state),
-and frozen in :meth:`should_commit` before the optimizer may change it: what the peer has
-not received yet is copied then and served from the copy (``rallypoint.transports._live``).
+With ``heal_on_training_thread=True`` (what FSDP2 needs; ``rallypoint.integrations.fsdp``
+sets it) the quorum thread only forms the quorum.
+Both sides of a heal run on the training thread, between steps' mutations: in
+:meth:`should_commit` (after backward, before the vote; :meth:`start_quorum` /
+:meth:`wait_quorum` when the quorum is synchronous). There, and only there, the sender
+calls the ``state_dict()`` callbacks and serves their tensors live; right after the vote,
+before the optimizer may step, the served state is frozen (what the peer has not received
+yet is copied: ``rallypoint.transports._live``), so every byte a peer reads is the state
+of the step that was served, never a tensor the optimizer is changing and never FSDP2's
+unsharded parameters that forward swaps in and frees (torchtitan#4754: a state read from
+the quorum thread mid-forward crashed the serving process). The receiver fetches there
+too, into its current state, and applies it before the vote.
 
-``heal_on_training_thread=True`` (for FSDP2, whose state must not be read while forward
-reshards it: torchtitan#4754) moves both sides into :meth:`should_commit` (before the vote;
-:meth:`start_quorum` when the quorum is synchronous) on the training thread: the sender
-serves its state (frozen right after the vote); the receiver fetches into its
-current state (DTensors rebuilt on its own mesh) and applies it.
+``heal_on_training_thread=False`` (the default, for state that may be read while forward
+runs, i.e. not FSDP2's) overlaps the heal with forward: the sender serves as soon as its quorum
+arrives, on the quorum thread, live (forward and backward change neither parameters nor
+optimizer state), frozen in :meth:`should_commit`; the receiver fetches on the quorum
+thread and applies the state in :meth:`should_commit`.
+
+DTensors (FSDP2), whichever thread heals: a received DTensor the receiver has at the same
+key is rebuilt on that DTensor's mesh; one it lacks (a fresh replica's optimizer state)
+arrives as a ``SentDTensor`` and is placed on the training thread just before the state
+is applied, on this replica's own meshes and placements, or on the sender's placements
+over a mesh of the same shape (:mod:`rallypoint.transports._rebuild`, via
+:mod:`._heal_step`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from rallypoint.manager.client import ManagerClient
+from rallypoint.manager._retry import heal_backoff_s, source_order
 from rallypoint.manager.recovery import QuorumResult
 from rallypoint.transports.base import CheckpointTransportLike
 
@@ -93,6 +107,19 @@ def materialise(tree: Any) -> Any:
     return tree
 
 
+def _takes_into(transport: object) -> bool:
+    """Whether ``transport.recv_checkpoint`` accepts ``into=``/``mesh=`` (ours do;
+    torchft's do not)."""
+    import inspect
+
+    try:
+        params = inspect.signature(transport.recv_checkpoint).parameters  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return ("into" in params and "mesh" in params) or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 #: ``0`` turns striped healing off: a healing replica fetches from its assigned source only.
 STRIPE_ENV = "RALLYPOINT_HEAL_STRIPE"
 
@@ -115,6 +142,7 @@ class Healer:
         self._connect_timeout = connect_timeout
         self._log = log
         self.stripe = bool(getattr(transport, "stripes", False)) and os.environ.get(STRIPE_ENV, "1") != "0"
+        self.failed_heals = 0  # consecutive heals that failed from every source (see backoff_s)
 
     def serves(self, q: QuorumResult) -> list[int]:
         """The replica ranks that may fetch from us in quorum ``q`` (empty: serve nothing)."""
@@ -155,30 +183,73 @@ class Healer:
         with ManagerClient(address, connect_timeout=self._connect_timeout, fail_fast=True) as peer:
             return peer._checkpoint_metadata(self._group_rank, timeout=timeout)
 
+    def backoff_s(self) -> float:
+        """How long to wait before the next quorum: grows with the consecutive failed heals
+        (fetched from no source, or not applicable: :func:`._retry.heal_backoff_s`), 0 once
+        a healed state was applied."""
+        return heal_backoff_s(self.failed_heals)
+
     def fetch(self, q: QuorumResult, into: Any = None, mesh: Any = None) -> dict[str, Any]:
-        """The state of step ``q.max_step`` from our assigned source. ``into``: our current
-        state (received tensors are verified, then copied into its matching tensors, and
-        DTensors are rebuilt on its meshes); ``mesh``: the mesh for DTensors ``into`` lacks."""
+        """The state of step ``q.max_step``: from our assigned source, else (a transport that
+        ``stripes``: every up-to-date replica serves every healing one) from the quorum's
+        other sources in turn, within the heal timeout. ``into``: our current state
+        (received tensors are verified, then copied into its matching tensors, and DTensors
+        are rebuilt on its meshes); ``mesh``: the mesh for DTensors ``into`` lacks (unset,
+        with our transports: they arrive as ``SentDTensor`` and are placed on this
+        replica's meshes when the state is applied, :func:`._heal_step.place_dtensors`).
+        Every source failing raises, and counts toward :meth:`backoff_s`."""
         src = q.recover_src_replica_rank
         if src is None:
             raise RuntimeError(f"quorum {q.quorum_id} says heal but names no recovery source")
-        meta = self._metadata(q.recover_src_manager_address, self._timeout)
-        others = list(zip(q.recover_src_replica_ranks, q.recover_src_manager_addresses))[1:] if self.stripe else []
+        addrs = dict(zip(q.recover_src_replica_ranks, q.recover_src_manager_addresses))
+        addrs[src] = q.recover_src_manager_address
+        others = list(addrs) if getattr(self._transport, "stripes", False) else []
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        failed: set[int] = set()
+        last: Exception | None = None
+        while True:
+            order = source_order(src, others, failed)
+            left = deadline - time.monotonic()
+            if failed and (not order or left <= 0):
+                self.failed_heals += 1
+                raise RuntimeError(f"heal to step {q.max_step} failed from every source tried (replica ranks "
+                                   f"{sorted(failed)}); the next quorum retries: {last}") from last
+            try:
+                state = self._fetch_from(q, order[0], order[1:] if self.stripe else [], addrs, into, mesh,
+                                         timedelta(seconds=max(left, 1.0)))
+            except Exception as e:  # noqa: BLE001 - another source, or the next quorum, retries
+                last = e
+                failed.add(order[0])
+                self._log.warning("heal from replica rank %d failed: %s%s", order[0], e,
+                                  "; trying another source" if source_order(src, others, failed) else "")
+                continue
+            return state  # failed_heals is reset once the state is applied (_heal_step)
+
+    def _fetch_from(self, q: QuorumResult, src: int, extra_ranks: list[int], addrs: dict[int, str], into: Any,
+                    mesh: Any, timeout: timedelta) -> dict[str, Any]:
+        """One attempt: from ``src`` (striped with ``extra_ranks`` that say where they serve)."""
+        meta = self._metadata(addrs[src], min(timeout, self._timeout))
         extra_srcs: list[int] = []
-        for rank, addr in others:
+        for rank in extra_ranks:
             try:  # a source that cannot say where it serves is left out, not waited for
-                meta += "," + self._metadata(addr, min(self._timeout, timedelta(seconds=5)))
+                meta += "," + self._metadata(addrs[rank], min(timeout, timedelta(seconds=5)))
                 extra_srcs.append(rank)
             except Exception as e:  # noqa: BLE001
-                self._log.warning("striped heal: replica rank %d (%s) left out: %s", rank, addr, e)
-        self._log.info("healing to step %d from replica rank %d (%s)%s", q.max_step, src,
-                       q.recover_src_manager_address, f", striped with ranks {extra_srcs}" if extra_srcs else "")
+                self._log.warning("striped heal: replica rank %d (%s) left out: %s", rank, addrs[rank], e)
+        self._log.info("healing to step %d from replica rank %d (%s)%s", q.max_step, src, addrs[src],
+                       f", striped with ranks {extra_srcs}" if extra_srcs else "")
         extra: dict[str, Any] = {}
         if into is not None:
             extra["into"] = into
+        if mesh is None and type(self._transport).__module__.startswith("rallypoint."):
+            from rallypoint.transports.wire import DEFER
+
+            mesh = DEFER  # DTensors with no target arrive as SentDTensor, placed when applied (_heal_step)
         if mesh is not None:
             extra["mesh"] = mesh
-        state = self._transport.recv_checkpoint(src_rank=src, metadata=meta, step=q.max_step, timeout=self._timeout,
+        if extra and not _takes_into(self._transport):
+            extra = {}  # a transport not of ours (torchft's) takes neither: it builds the state itself
+        state = self._transport.recv_checkpoint(src_rank=src, metadata=meta, step=q.max_step, timeout=timeout,
                                                 **extra)
         self._log.info("received the state of step %d", q.max_step)
         return state

@@ -174,6 +174,7 @@ class StepRecord:
             "commit_s": self.commit_s,
             "configure_s": _secs(self.configure_s),
             "cause": self.cause if self.kind == "failed" else None,
+            "ckpt": self.extra.get("ckpt"),  # a DurableCheckpoint's figures (rules.check_ckpt)
         }
         if self.kind == "failed" and self.cause == "sdc" and self.extra.get("sdc_failed"):
             stats["sdc"] = self.extra["sdc_failed"]

@@ -85,19 +85,54 @@ class ManagedWork(DoneWork):
         return cls(sink, work, tensor, divisor)
 
 
+def neutral_fill(reduce_op: Any, tensor: torch.Tensor) -> bool:
+    """Fill ``tensor`` with the identity of ``reduce_op`` (what a replica that does not
+    contribute — healing, a spare — puts in, so the others' result is unchanged): zeros for
+    SUM/AVG/BOR/BXOR, the dtype's lowest value for MAX, its highest for MIN, ones for
+    PRODUCT, all bits set for BAND. False (tensor untouched) for an op without one."""
+    def limit(hi: bool) -> float | int | bool:
+        if tensor.dtype == torch.bool:
+            return hi
+        if tensor.is_floating_point():
+            return float("inf") if hi else float("-inf")
+        info = torch.iinfo(tensor.dtype)
+        return info.max if hi else info.min
+
+    if reduce_op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.BOR, ReduceOp.BXOR):
+        tensor.zero_()
+    elif reduce_op == ReduceOp.MAX:
+        tensor.fill_(limit(False))
+    elif reduce_op == ReduceOp.MIN:
+        tensor.fill_(limit(True))
+    elif reduce_op == ReduceOp.PRODUCT:
+        tensor.fill_(1)
+    elif reduce_op == ReduceOp.BAND and not tensor.is_floating_point():
+        tensor.fill_(True if tensor.dtype == torch.bool else -1)
+    else:
+        return False
+    return True
+
+
 def allreduce_args(should_quantize: Any, reduce_op: Any, zeros: bool, who: str) -> tuple[bool, Any]:
     """``Manager.allreduce``'s ``(should_quantize, reduce_op)``, checked. The order is
     torchft's; a ``ReduceOp`` passed second is taken as ``reduce_op`` (our old order).
-    Only a sum or mean stays right when someone contributes zeros (``zeros``: a healing
-    or spare replica takes part), and quantization supports only those."""
+    Other reductions than SUM/AVG (MAX for a loss, MIN, PRODUCT, bitwise) pass through as
+    torchft's do; a replica that does not contribute puts in the op's identity
+    (:func:`neutral_fill`), so ``zeros`` (some replicas healing or spares) refuses only an
+    op without one (PREMUL_SUM). Quantization supports only SUM and AVG."""
     if not isinstance(should_quantize, bool):
         should_quantize, reduce_op = False, should_quantize
     if should_quantize and reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"{who}: a quantized allreduce supports SUM and AVG, not {reduce_op}")
-    if zeros and reduce_op not in (ReduceOp.SUM, ReduceOp.AVG):
+    if zeros and reduce_op not in _NEUTRAL_OPS:
         raise ValueError(f"{who}: allreduce with {reduce_op} while some replicas are healing or spares (they "
-                         "contribute zeros); only SUM and AVG are supported then")
+                         "contribute nothing); only ops with an identity (SUM, AVG, MAX, MIN, PRODUCT, bitwise) "
+                         "are supported then")
     return should_quantize, reduce_op
 
 
-__all__ = ["DoneWork", "ManagedWork", "allreduce_args"]
+_NEUTRAL_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT, ReduceOp.BAND,
+                ReduceOp.BOR, ReduceOp.BXOR)
+
+
+__all__ = ["DoneWork", "ManagedWork", "allreduce_args", "neutral_fill"]

@@ -49,12 +49,13 @@ from rallypoint.manager._failfast import FailFast
 from rallypoint._net.inject import parse_injections
 from rallypoint.manager._guard import SdcGuard
 from rallypoint.manager._heal import Healer
+from rallypoint.manager._heal_step import heal_here
 from rallypoint.manager._inject import Injector
 from rallypoint.manager._outage import Outage, quorum_failure
 from rallypoint.manager._peer_relay import PeerDownRelay
 from rallypoint.manager._record import Round as _Round, RoundLog, StepRecord, cause_of
 from rallypoint.manager._state import UserState
-from rallypoint.manager._work import DoneWork, ManagedWork, allreduce_args
+from rallypoint.manager._work import DoneWork, ManagedWork, allreduce_args, neutral_fill
 from rallypoint.manager.recovery import QuorumResult
 from rallypoint.process_groups.protocols import ReconfigurableProcessGroup
 from rallypoint.transports.base import CheckpointTransportLike
@@ -93,7 +94,10 @@ class Manager(GroupConnection):
         init_sync: at step 0, non-primary groups heal from the primary, so all start equal (True).
         max_retries: raise after this many consecutive failed steps (None: never).
         quorum_retries: retries of a failed quorum call before the step fails (0).
-        heal_on_training_thread: serve and apply heals on the training thread (FSDP2 needs it).
+        heal_on_training_thread: serve and fetch heals on the training thread, never reading the state
+            while forward runs (what FSDP2 needs; ``rallypoint.integrations.fsdp`` sets it). False (the
+            default): on the quorum thread, overlapped with forward, for state that may be read then;
+            see ``_heal.py``.
         sdc_check: compare gradients across replicas before each commit (``RALLYPOINT_SDC_CHECK``).
         sdc_check_every: compare parameter hashes every N commits (``RALLYPOINT_SDC_CHECK_EVERY``; 0: off).
     """
@@ -128,9 +132,9 @@ class Manager(GroupConnection):
     ) -> None:
         pg, kind = _reconfig.adapt(pg)  # TypeError for a group that can be neither (re)configured
         self._pg = pg
-        #: Serve and apply heals on the training thread (see the module docstring); the
-        #: FSDP helper turns it on. ``heal_mesh``: the mesh for received DTensors that the
-        #: current state lacks (e.g. optimizer state of a fresh replica).
+        #: Serve and fetch heals on the training thread (the default; see ``_heal.py``).
+        #: ``heal_mesh``: a mesh for received DTensors that the current state lacks (e.g. a
+        #: fresh replica's optimizer state) when none of its own has the sender's shape.
         self.heal_on_training_thread = bool(heal_on_training_thread)
         self.heal_mesh: Any = None
         self._min_replica_size = int(min_replica_size)
@@ -151,6 +155,7 @@ class Manager(GroupConnection):
             raise ValueError(f"rank {self._group_rank} is not in a replica group of {self._group_world_size}")
 
         self._user_state = UserState()
+        self.step_hooks: list[Any] = []  # at_boundary()/close() at each round's start / shutdown: rallypoint/checkpoint
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
 
@@ -202,11 +207,20 @@ class Manager(GroupConnection):
             raise
         self._ff.replica_id = self._injector.replica = self._replica_id
         self._configurer.set_replica(self._replica_id, hostname)
+        if os.environ.get("RALLYPOINT_CHECKPOINT_DIR"):  # durable checkpoints with no code change
+            from rallypoint.checkpoint.durable import attach_from_env
+            attach_from_env(self)
 
     # ------------------------------------------------------------------ state dicts
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
         """Add state under ``key`` to what heals send (``state_dict``) and apply (``load_state_dict``)."""
         self._user_state.register(key, load_state_dict, state_dict)
+
+    def set_state_dict_fns(self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
+        """Deprecated (torchft 0.2's name, which TorchTitan calls): :meth:`register_state_dict_fn`
+        under torchft's key ``"set_state_dict_fns"``."""
+        self._log.warning("set_state_dict_fns is deprecated, use register_state_dict_fn")
+        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
 
     def register_sdc_params(self, params: Any) -> None:
         """The parameters the corruption check compares across replicas every
@@ -259,6 +273,8 @@ class Manager(GroupConnection):
         is off); the process group is reconfigured if the membership changed."""
         if self._quorum_future is not None:
             self._wait_future()
+        for hook in self.step_hooks:  # the last round committed and the optimizer stepped: a durable checkpoint
+            hook.at_boundary()
         now = time.monotonic()
         prev = self._cur.rec
         if prev.round and prev.ended is None:  # a round that never reached should_commit
@@ -314,8 +330,8 @@ class Manager(GroupConnection):
                       stats: dict[str, Any] | None) -> None:
         assert self._client is not None
         rec = rnd.rec
-        if self._outage.pause:
-            self._closing.wait(self._outage.pause)  # the bounded backoff; shutdown ends it
+        if self._outage.pause or self._healer.backoff_s():  # bounded backoffs (no lighthouse; failed heals)
+            self._closing.wait(max(self._outage.pause, self._healer.backoff_s()))  # shutdown ends it
         try:
             q = self._client._quorum(
                 group_rank=self._group_rank,
@@ -397,40 +413,7 @@ class Manager(GroupConnection):
             self.report_error(e)
 
     def _heal_here(self) -> None:
-        """Serve and/or fetch this quorum's heal on the calling (training) thread when
-        ``heal_on_training_thread``, then apply a received state. The sender serves its
-        state even when its step failed (that state is still the step's state) so the
-        healing peer is not left waiting for a publication that never comes."""
-        rnd = self._cur
-        q, rnd.heal_plan = rnd.heal_plan, None
-        t0 = time.monotonic()
-        if q is not None:
-            self._ff.heal_busy = True
-            try:
-                if self._healer.serves(q):
-                    self._healer.serve(q, self._manager_state_dict())
-                    rnd.served_here = True
-                if q.heal:
-                    rnd.pending = self._healer.fetch(q, into=self._manager_state_dict(), mesh=self.heal_mesh)
-            except Exception as e:  # noqa: BLE001
-                self._log.warning("recovery failed: %s", e)
-                self.report_error(e)
-            finally:
-                self._ff.heal_busy = False
-        if rnd.apply_due:  # a received state: applied here, on the training thread
-            pending, rnd.pending, rnd.apply_due = rnd.pending, None, False
-            try:
-                if pending is None:
-                    raise RuntimeError("healing was required but no state was received")
-                self._user_state.apply(pending, self.load_state_dict)
-                self._log.info("applied healed state: step %d", self._step)
-            except Exception as e:  # noqa: BLE001
-                self.report_error(e)
-        if q is not None or rnd.rec.healing:
-            dt = time.monotonic() - t0
-            rnd.rec.heal_s += dt
-            if rnd.rec.first_collective is None:
-                rnd.rec.heal_before_s += dt
+        heal_here(self)  # see _heal_step.py
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
@@ -454,7 +437,7 @@ class Manager(GroupConnection):
         allreduce_args(should_quantize, reduce_op, zeros, who)
         contributes = self.is_participating()
         if not contributes:
-            tensor.zero_()
+            neutral_fill(reduce_op, tensor)  # zeros for SUM/AVG; -inf for MAX, ...
         if self._injector.on_collective(tensor, contributes) == "drop":
             self._ff.abort(RuntimeError("injected fault: drop-collective"), "injected")
             return DoneWork(tensor)
@@ -583,6 +566,8 @@ class Manager(GroupConnection):
         """Stop the quorum thread, the transport, the client and (rank 0) the server."""
         _progress.finished(self.current_step())  # a supervising `rallypoint run` stops timing this rank
         self._closing.set()
+        for hook in getattr(self, "step_hooks", ()):
+            hook.close()
         self._executor.shutdown(wait=wait, cancel_futures=True)
         if self._relay is not None:
             self._relay.close()

@@ -47,7 +47,14 @@ MAX_STEP_STATS_COUNTER = 2**63 - 1
 SDC_CHECKS = ("grad", "param")
 MAX_SDC_NAMES = 8
 MAX_SDC_NAME_CHARS = 256
-_KNOWN = frozenset((*STEP_STATS_COUNTERS, "outcome", "cause", "sdc", "sdc_bad", *STEP_STATS_SECONDS))
+#: The optional ``ckpt`` object: a group's durable checkpointing (``DurableCheckpoint``):
+#: the last complete step and its age, and counters since the process started.
+CKPT_COUNTERS = ("step", "writes", "bytes", "failures", "skipped")
+CKPT_SECONDS = ("age_s", "stall_s")
+#: Bounds of its fields: exact in a double (the dashboard's JavaScript), ~31 years of seconds.
+MAX_CKPT_COUNTER = 2**53
+MAX_CKPT_SECONDS = 1e9
+_KNOWN = frozenset((*STEP_STATS_COUNTERS, "outcome", "cause", "sdc", "sdc_bad", "ckpt", *STEP_STATS_SECONDS))
 
 
 # ------------------------------------------------------------------ step stats
@@ -87,6 +94,8 @@ def check_step_stats(value: Any) -> dict[str, Any]:
                     or not all(isinstance(n, str) and 0 < len(n) <= MAX_SDC_NAME_CHARS for n in v):
                 raise ValueError(f"step stats field 'sdc_bad' must be a list of at most {MAX_SDC_NAMES} replica ids")
             out[key] = list(v)
+        elif key == "ckpt":
+            out[key] = check_ckpt(v)
         elif key == "cause":
             if v not in STEP_CAUSES:
                 raise ValueError(f"step stats field 'cause' must be one of {', '.join(STEP_CAUSES)}, got {_show(v)}")
@@ -97,6 +106,54 @@ def check_step_stats(value: Any) -> dict[str, Any]:
                 raise ValueError(f"step stats field {key!r} must be a finite number of seconds in "
                                  f"[0, {MAX_STEP_STATS_SECONDS:g}], got {_show(v)}")
             out[key] = float(v)
+    return out
+
+
+def check_ckpt(value: Any) -> dict[str, Any]:
+    """A step-stats ``ckpt`` object, checked: known keys only (:data:`CKPT_COUNTERS`,
+    :data:`CKPT_SECONDS`), integers in ``[0, MAX_CKPT_COUNTER]``, seconds finite in
+    ``[0, MAX_CKPT_SECONDS]``. Returns a new dict; ``ValueError`` names the first bad field."""
+    if not isinstance(value, dict):
+        raise ValueError(f"step stats field 'ckpt' must be a JSON object, got {type(value).__name__}")
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        if key in CKPT_COUNTERS:
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_CKPT_COUNTER:
+                raise ValueError(f"step stats field 'ckpt.{key}' must be an integer in [0, 2**53], got {_show(v)}")
+            out[key] = v
+        elif key in CKPT_SECONDS:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, int) and v > MAX_CKPT_SECONDS) \
+                    or not math.isfinite(v) or not 0 <= v <= MAX_CKPT_SECONDS:
+                raise ValueError(f"step stats field 'ckpt.{key}' must be a finite number of seconds in "
+                                 f"[0, {MAX_CKPT_SECONDS:g}], got {_show(v)}")
+            out[key] = float(v)
+        else:
+            raise ValueError(f"step stats field 'ckpt' has an unknown key {_show(str(key))}; known keys: "
+                             f"{', '.join(sorted((*CKPT_COUNTERS, *CKPT_SECONDS)))}")
+    return out
+
+
+def merge_ckpt(parts: Iterable[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """The group's ``ckpt`` from its ranks' (None when none sent one): the newest complete
+    step any rank knows of (with the youngest age), the counters summed (each rank writes
+    its own share), and the stall the largest (ranks stage at once; the group waits for
+    the slowest)."""
+    got = [p for p in parts if p]
+    if not got:
+        return None
+    out: dict[str, Any] = {}
+    for key in ("writes", "bytes", "failures", "skipped"):
+        if any(key in p for p in got):
+            out[key] = min(MAX_CKPT_COUNTER, sum(int(p.get(key, 0)) for p in got))
+    if any("stall_s" in p for p in got):
+        out["stall_s"] = max(float(p.get("stall_s", 0.0)) for p in got)
+    steps = [p for p in got if "step" in p]
+    if steps:
+        newest = max(int(p["step"]) for p in steps)
+        out["step"] = newest
+        ages = [float(p["age_s"]) for p in steps if p["step"] == newest and "age_s" in p]
+        if ages:
+            out["age_s"] = min(ages)
     return out
 
 
@@ -180,6 +237,10 @@ def aggregate_requests(step: int, world_size: int, requests: Iterable[RankReques
     }
     stats = slowest_step_stats({r.group_rank: r.step_stats for r in reqs})
     if stats is not None:
+        ckpt = merge_ckpt((r.step_stats or {}).get("ckpt") for r in reqs)
+        stats.pop("ckpt", None)
+        if ckpt is not None:
+            stats["ckpt"] = ckpt
         data["step_stats"] = stats
     return GroupRequest(shrink_only=any(r.shrink_only for r in reqs), commit_failures=commit_failures, data=data)
 
@@ -238,6 +299,6 @@ def vote_decision(votes: Mapping[int, bool], world_size: int) -> bool | None:
 __all__ = [
     "MAX_STEP_STATS_BYTES", "MAX_STEP_STATS_COUNTER", "MAX_STEP_STATS_SECONDS", "STEP_CAUSES", "STEP_OUTCOMES",
     "STEP_STATS_COUNTERS", "STEP_STATS_HEADER", "STEP_STATS_SECONDS", "GroupRequest", "RankRequest",
-    "aggregate_requests", "check_step_stats", "encode_step_stats", "fold_vote", "group_size_error",
-    "lighthouse_budget", "parse_step_stats", "retry_pause", "slowest_step_stats", "vote_decision",
+    "aggregate_requests", "check_ckpt", "check_step_stats", "encode_step_stats", "fold_vote", "group_size_error",
+    "lighthouse_budget", "merge_ckpt", "parse_step_stats", "retry_pause", "slowest_step_stats", "vote_decision",
 ]

@@ -323,12 +323,38 @@ class ManagedCollectives(Protocol):
     def num_participants(self) -> int: ...
 
 
+def managed_route(op: Any, comm_takes_op: bool) -> str:
+    """How :class:`ManagedProcessGroup` runs an allreduce with ``op``: ``"avg"`` (the
+    manager's mean as it is), ``"sum"`` (the mean times the participants), ``"pass"``
+    (handed to the manager with the op: MAX, MIN, ...), or ``"refuse"`` (``comm`` cannot
+    take an op)."""
+    if op == ReduceOp.AVG:
+        return "avg"
+    if op == ReduceOp.SUM:
+        return "sum"
+    return "pass" if comm_takes_op else "refuse"
+
+
+def _takes_reduce_op(comm: object) -> bool:
+    """Whether ``comm.allreduce`` accepts a ``reduce_op`` keyword (the Manager's does)."""
+    import inspect
+
+    try:
+        params = inspect.signature(comm.allreduce).parameters  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        return False
+    return "reduce_op" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 class ManagedProcessGroup(ProcessGroup):
     """A group whose allreduce is ``comm.allreduce`` (which averages over live replicas).
 
     SUM multiplies the average back by ``num_participants()``; AVG is the average
-    itself; other reductions and other collectives are not defined across replicas
-    that may drop out, so they raise. ``rank()`` is ``comm.participating_rank()``
+    itself; other reductions (MAX, as TorchTitan's loss sync uses, MIN, PRODUCT, bitwise)
+    pass through as torchft's do, to ``comm.allreduce(tensor, reduce_op=op)`` (the
+    manager's; a replica that does not contribute puts in the op's identity). A ``comm``
+    whose allreduce takes no ``reduce_op`` refuses them; other collectives are not
+    defined across replicas that may drop out, so they raise. ``rank()`` is ``comm.participating_rank()``
     when ``comm`` has it (the manager does), else 0; ``size()`` is
     ``num_participants()``.
     """
@@ -364,16 +390,20 @@ class ManagedProcessGroup(ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         op = reduce_op_of(opts)
-        if not (op == ReduceOp.SUM or op == ReduceOp.AVG):
-            raise NotImplementedError(f"ManagedProcessGroup supports SUM and AVG, not {op_name(op)}")
+        route = managed_route(op, _takes_reduce_op(self._comm))
+        if route == "refuse":
+            raise NotImplementedError(f"ManagedProcessGroup supports SUM and AVG, not {op_name(op)}, over "
+                                      f"{type(self._comm).__name__} (its allreduce takes no reduce_op)")
         if len(tensors) != 1:
             works = [self.allreduce([t], opts) for t in tensors]
             from .gloo import _WorkChain
 
             return _WorkChain(works)
         tensor = tensors[0]
+        if route == "pass":
+            return self._comm.allreduce(tensor, reduce_op=op)  # type: ignore[call-arg]  # checked: _takes_reduce_op
         work = self._comm.allreduce(tensor)
-        if op == ReduceOp.AVG:
+        if route == "avg":
             return work
         n = self._comm.num_participants()
         return _ScaledWork(work, tensor, n)

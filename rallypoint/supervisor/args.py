@@ -76,6 +76,7 @@ class RunConfig:
     rdzv_timeout_s: float = RDZV_TIMEOUT_S
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     local_addr: str = ""
+    extra_env: tuple[tuple[str, str], ...] = ()  # for every rank: --checkpoint-* as RALLYPOINT_CHECKPOINT_*
 
     @property
     def multinode(self) -> bool:
@@ -128,6 +129,14 @@ def add_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
           help="MASTER_ADDR the ranks reach the group's store at, and the only address it listens on (127.0.0.1; "
                "with --nnodes > 1 the store of node rank 0 is used, at its --local-addr)")
     _flag(p, "master-port", type=int, default=0, metavar="PORT", help="the store's port (0: one the OS picks)")
+    _flag(p, "checkpoint-dir", default=None, metavar="DIR",
+          help="durable checkpoints: the folder or fsspec URL shared by every group, set as RALLYPOINT_CHECKPOINT_DIR "
+               "for the ranks; their Managers checkpoint there and restore the newest complete one at start "
+               "(docs/checkpoint.md)")
+    _flag(p, "checkpoint-every", type=int, default=None, metavar="N",
+          help="with --checkpoint-dir: every N committed steps (RALLYPOINT_CHECKPOINT_EVERY; 100)")
+    _flag(p, "checkpoint-keep", type=int, default=None, metavar="K",
+          help="with --checkpoint-dir: complete checkpoints kept, 0: all (RALLYPOINT_CHECKPOINT_KEEP; 3)")
     p.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility; no effect")
     p.add_argument("--nnodes", default="1", metavar="N",
                    help="nodes (hosts) in this replica group, N or N:N (1); more than 1 needs --rdzv-endpoint")
@@ -253,6 +262,27 @@ def _node_flags(args: argparse.Namespace) -> dict[str, object]:
             "local_addr": args.local_addr or socket.getfqdn()}
 
 
+def checkpoint_env(directory: str | None, every: int | None, keep: int | None) -> dict[str, str]:
+    """The ranks' ``RALLYPOINT_CHECKPOINT_*`` for ``--checkpoint-dir/-every/-keep``
+    (``UsageError`` for an interval below 1, a negative keep, or either without a folder)."""
+    if directory is None:
+        if every is not None or keep is not None:
+            raise UsageError("--checkpoint-every and --checkpoint-keep need --checkpoint-dir")
+        return {}
+    if not directory.strip():
+        raise UsageError("--checkpoint-dir is empty")
+    env = {"RALLYPOINT_CHECKPOINT_DIR": directory}
+    if every is not None:
+        if every < 1:
+            raise UsageError(f"--checkpoint-every must be at least 1, not {every}")
+        env["RALLYPOINT_CHECKPOINT_EVERY"] = str(every)
+    if keep is not None:
+        if keep < 0:
+            raise UsageError(f"--checkpoint-keep must not be negative, not {keep}")
+        env["RALLYPOINT_CHECKPOINT_KEEP"] = str(keep)
+    return env
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Validate the parsed command line; ``UsageError`` names the problem."""
     if args.nproc_per_node < 1:
@@ -286,8 +316,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         standby=args.standby,
         preload=preload,
         standby_delay_s=args.standby_delay,
+        extra_env=tuple(sorted(checkpoint_env(args.checkpoint_dir, args.checkpoint_every,
+                                              args.checkpoint_keep).items())),
         **nodes,  # type: ignore[arg-type]
     )
 
 
-__all__ = ["RDZV_BACKENDS", "RDZV_TIMEOUT_S", "parse_nnodes", "parse_rdzv_conf", "HANG_TIMEOUT_S", "STANDBY_DELAY_S", "RunConfig", "USAGE_EXIT", "UsageError", "add_run_parser", "config_from_args"]
+__all__ = ["RDZV_BACKENDS", "RDZV_TIMEOUT_S", "parse_nnodes", "parse_rdzv_conf", "HANG_TIMEOUT_S", "STANDBY_DELAY_S", "RunConfig", "USAGE_EXIT", "UsageError", "add_run_parser", "checkpoint_env", "config_from_args"]

@@ -107,7 +107,7 @@ class Supervisor:
     def __init__(self, cfg: RunConfig, environ: Mapping[str, str] | None = None,
                  out: IO[bytes] | None = None, err: IO[bytes] | None = None) -> None:
         self.cfg = cfg
-        self._environ = dict(os.environ if environ is None else environ)
+        self._environ = dict(os.environ if environ is None else environ) | dict(cfg.extra_env)  # --checkpoint-*
         self._outputs = (out or sys.stdout.buffer, err or sys.stderr.buffer)
         self._locks = (threading.Lock(), threading.Lock())
         self._wake = Wakeup()

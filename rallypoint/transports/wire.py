@@ -68,6 +68,9 @@ Received tensors are CPU tensors (or the target's own tensors, on any device, wi
 global shape and stride; the receiver rebuilds them with ``DTensor.from_local`` on *its*
 mesh (the DTensor's at the same key in ``into=``, else ``mesh=``). Each rank sends and
 receives its own shard, so the meshes must have the same shape: resharding is refused.
+``mesh=DEFER``: a DTensor with no mesh at hand arrives as a :class:`SentDTensor` (its
+local shard and the sender's layout), for the caller to rebuild later on a mesh it picks
+(the Manager does, on the training thread: :mod:`rallypoint.transports._rebuild`).
 
 Not preserved: storage sharing between entries (tied weights arrive as two tensors unless
 ``into=`` holds the tied target), autograd history, and subclasses other than
@@ -127,6 +130,32 @@ from rallypoint.transports._encode import Encoded, encode  # noqa: E402  (public
 
 
 # --------------------------------------------------------------------------- receiving
+
+
+class _Defer:
+    def __repr__(self) -> str:
+        return "DEFER"
+
+
+#: ``mesh=DEFER``: DTensors without a mesh in ``into=`` arrive as :class:`SentDTensor`.
+DEFER: Any = _Defer()
+
+
+class SentDTensor:
+    """A received DTensor not yet placed on a mesh: the sender's local shard (``local``, a
+    CPU tensor), its layout (``meta``: placements, mesh shape, global shape and stride as
+    :func:`rallypoint.transports._tensors.dtensor_meta` wrote them), its ``key`` (for
+    errors) and whether it was a parameter. Why: the receiver may not be able to look at
+    its own state when the bytes arrive (the quorum thread while forward runs), so where
+    it goes is decided later, where it is safe to."""
+
+    __slots__ = ("key", "local", "meta", "param")
+
+    def __init__(self, key: str, local: torch.Tensor, meta: dict[str, Any], param: bool) -> None:
+        self.key, self.local, self.meta, self.param = key, local, meta, param
+
+    def __repr__(self) -> str:
+        return f"SentDTensor({self.key}, local {tuple(self.local.shape)}, mesh {self.meta.get('mesh_shape')})"
 
 
 def _lookup(tree: Any, path: tuple[Any, ...]) -> Any:
@@ -211,6 +240,12 @@ class Sink:
     def _mesh_for(spec: TensorSpec, tgt: Any, mesh: Any) -> Any:
         meta = spec.dtensor or {}
         m = tgt.device_mesh if T.is_dtensor(tgt) else mesh
+        if m is DEFER:
+            try:
+                T.placements_from_json(meta.get("placements"))
+            except ValueError as exc:
+                raise WireError(f"{spec.key}: {exc}", key=spec.key) from None
+            return DEFER
         if m is None:
             raise WireError(
                 f"{spec.key}: is a DTensor; pass into= (a state dict holding a DTensor there) or mesh=",
@@ -321,6 +356,9 @@ class Sink:
                     leaves.append(self._target_leaf[i])
                     continue
                 leaf: Any
+                if spec.dtensor is not None and self._meshes[i] is DEFER:
+                    leaves.append(SentDTensor(spec.key, dest, dict(spec.dtensor), bool(spec.param)))
+                    continue
                 if spec.dtensor is not None:
                     from torch.distributed.tensor import DTensor
 
