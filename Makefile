@@ -8,7 +8,20 @@ STAMP   := $(VENV)/.rallypoint-installed
 DOCS_STAMP := $(VENV)/.rallypoint-docs-installed
 PYTEST_ARGS ?=
 
-.PHONY: test typecheck browser etcd demo demo-lighthouse proto bench install clean wheel-check docs gpu-check gpu-wheels
+.PHONY: test typecheck browser etcd demo demo-lighthouse proto bench install clean wheel-check docs \
+	gpu-check gpu-wheels test-newest torchft-nightly-check
+
+# torchft-nightly (the 0.3 API) installs the same `torchft` package as torchft 0.2.0, so it is
+# unpacked beside a venv, not into it (`pip install --no-deps --target VENV/torchft-nightly`):
+# its native module (no torch dependency) serves the protocol interop tests in any venv, and
+# `make torchft-nightly-check` runs its own integration tests from there.
+TORCHFT_NIGHTLY := 2026.10.26
+# The newest torch that installs here (users may be on newer: the code must not assume it).
+TORCH_NEWEST := 2.14.1
+VENV_NEWEST ?= .venv-newest
+NPY     := $(VENV_NEWEST)/bin/python
+NEWEST_STAMP := $(VENV_NEWEST)/.rallypoint-installed
+NIGHTLY_MARK := torchft-nightly/torchft_nightly-$(TORCHFT_NIGHTLY).dist-info/METADATA
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -19,10 +32,39 @@ $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) $(VENV)/$(NIGHTLY_MARK)
+
+# VENV/torchft-nightly/ for any venv (the wheel is built for that venv's python); a folder left
+# by an older version is replaced whole.
+%/$(NIGHTLY_MARK): %/bin/python
+	rm -rf $*/torchft-nightly
+	$*/bin/python -m pip install --quiet --no-deps --target $*/torchft-nightly torchft-nightly==$(TORCHFT_NIGHTLY)
 
 test: typecheck browser etcd
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+# The whole suite on the newest torch (the floor, torch 2.13.0, is `make test`'s): a venv of its
+# own, .venv-newest (torch's CUDA wheel: ~4.6 GB, ~5 minutes to install; run on CPU here).
+test-newest: browser etcd $(NEWEST_STAMP) $(VENV_NEWEST)/$(NIGHTLY_MARK)
+	$(NPY) -m mypy
+	$(NPY) -m pytest $(PYTEST_ARGS)
+
+$(NPY):
+	$(PY) -m venv $(VENV_NEWEST)
+	$(NPY) -m pip install --quiet --upgrade pip
+
+$(NEWEST_STAMP): $(NPY) pyproject.toml
+	@$(NPY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_NEWEST)')" 2>/dev/null || \
+	  $(NPY) -m pip install --quiet torch==$(TORCH_NEWEST)
+	$(NPY) -m pip install --quiet -e '.[test]'
+	@touch $@
+
+# torchft-nightly's own integration tests (manager_integ_test.py, local_sgd_integ_test.py,
+# diloco_regression_test.py, reconfigure_test.py), unchanged, against rallypoint through an
+# alias package (tests/test_torchft_integ.py), on the newest torch: its tests need torch's
+# native process-group reconfigure (torch >= 2.14).
+torchft-nightly-check: $(NEWEST_STAMP) $(VENV_NEWEST)/$(NIGHTLY_MARK)
+	RALLYPOINT_TORCHFT_NIGHTLY_CHECK=1 $(NPY) -m pytest tests/test_torchft_nightly_integ.py $(PYTEST_ARGS)
 
 # The dashboard's test runs it in Debian's headless chromium: installed here when missing and
 # apt can (root, a Debian package source); otherwise that one test skips and says why.
@@ -110,4 +152,4 @@ gpu-wheels:
 	$(PY) tools/gpu_check.py --download-wheels .whl
 
 clean:
-	rm -rf $(VENV) build site *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_NEWEST) build site *.egg-info .pytest_cache

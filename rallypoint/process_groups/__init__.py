@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .nccl import ProcessGroupNCCL
     from .protocols import AllgatherGroup, ReconfigurableProcessGroup
     from .reconfigure import ReconfigureOptions
+    from .store_exchange import reconfigure_with_store
     from .wrappers import (
         ErrorSwallowingProcessGroupWrapper,
         FakeProcessGroupWrapper,
@@ -50,6 +51,7 @@ _LAZY: dict[str, str] = {
     "AllgatherGroup": "protocols",
     "ReconfigurableProcessGroup": "protocols",
     "ReconfigureOptions": "reconfigure",
+    "reconfigure_with_store": "store_exchange",
     "ErrorSwallowingProcessGroupWrapper": "wrappers",
     "FakeProcessGroupWrapper": "wrappers",
     "ManagedCollectives": "wrappers",
@@ -94,4 +96,5 @@ __all__ = [
     "AllgatherGroup",
     "ReconfigurableProcessGroup",
     "ReconfigureOptions",
+    "reconfigure_with_store",
 ]
