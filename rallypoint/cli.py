@@ -451,7 +451,28 @@ def _run_inject(args: argparse.Namespace) -> int:
 def _run_group(args: argparse.Namespace) -> int:
     from rallypoint.supervisor.supervisor import main as run_main
 
-    return run_main(args)
+    rc = run_main(args)
+    _exit_past_native_threads(rc)
+    return rc
+
+
+def _exit_past_native_threads(rc: int) -> None:
+    """End ``rallypoint run`` with ``rc`` at once when a daemon thread may still be
+    blocked inside torch's C++ code (the rendezvous join waiting in its store, a store
+    client's beat). Left to the interpreter's shutdown, such a thread is unwound when it
+    wakes, and C++ turns that into ``std::terminate`` ("terminate called without an
+    active exception", SIGABRT) instead of the exit status the supervisor chose. The
+    supervisor has stopped every rank and removed its run directory by now; only the
+    logs and standard streams need flushing."""
+    if all(t is threading.main_thread() or not t.is_alive() for t in threading.enumerate()):
+        return
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        rc = closed_pipe()
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

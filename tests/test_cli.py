@@ -250,3 +250,42 @@ def test_kill_job_flag(two_jobs, capsys, monkeypatch):
     assert main(["kill", "rep-a", "--lighthouse", two_jobs.local_address(), "--job", "b"]) == 1
     err = capsys.readouterr().err
     assert "knows no replica 'rep-a' in job 'b'" in err, err
+
+
+EXIT_WITH_A_THREAD_IN_TORCH = """
+import logging, sys, threading
+from datetime import timedelta
+from torch.distributed import TCPStore
+from rallypoint.cli import _exit_past_native_threads
+
+logging.basicConfig(level=logging.INFO)
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+waiting = threading.Event()
+
+def blocked() -> None:
+    waiting.set()
+    store.wait(["never"])  # inside torch's C++ code, GIL released, until the 30 s timeout
+
+threading.Thread(target=blocked, daemon=True).start()
+assert waiting.wait(10)
+logging.getLogger("t").info("logged before the exit")
+print("printed before the exit")
+_exit_past_native_threads(7)
+"""
+
+
+def test_run_exits_with_its_status_while_a_thread_waits_in_torch(tmp_path) -> None:
+    """``rallypoint run`` may end while its rendezvous thread still waits in a torch store:
+    the process exits at once with the supervisor's status and its output flushed, not
+    with SIGABRT from C++ unwinding that thread at interpreter shutdown."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "t.py"
+    script.write_text(EXIT_WITH_A_THREAD_IN_TORCH)
+    started = time.monotonic()
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 7, p.stderr[-2000:]
+    assert time.monotonic() - started < 25  # not after the store's 30 s timeout
+    assert "printed before the exit" in p.stdout
+    assert "logged before the exit" in p.stderr
