@@ -25,6 +25,11 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
+#: pids of the processes this supervisor started whose exit a waiter thread reaps (``_forks.reap_orphans``
+#: leaves them alone: it reaps only orphans re-parented to the supervisor as a subreaper).
+OWNED: set[int] = set()
+
+
 class Wakeup:
     """Events from threads and signal handlers for the main loop: a deque (appending is
     atomic, so a signal handler may post) plus a self-pipe the loop sleeps on with
@@ -125,19 +130,24 @@ class RankProcess:
 
     A warm standby (``incarnation`` None) is the same, started early with a pipe for its
     go on stdin: until :meth:`activate` hands it an incarnation its exit is posted as
-    ``("standby_exit", self, returncode)`` instead, which does not end any incarnation."""
+    ``("standby_exit", self, returncode)`` instead, which does not end any incarnation.
+
+    ``forked``: a process the group's zygote forked (``_forks.ForkedPopen``, a standby
+    until activated) instead of one started here from ``argv`` and ``env``."""
 
     def __init__(self, argv: list[str], env: dict[str, str], rank: int, incarnation: int | None, prefix: str,
                  wakeup: Wakeup, lifeline: Lifeline, outputs: tuple[IO[bytes], IO[bytes]],
-                 locks: tuple[threading.Lock, threading.Lock]) -> None:
+                 locks: tuple[threading.Lock, threading.Lock], forked: Any = None) -> None:
         self.rank, self.incarnation = rank, incarnation
         self.standby = incarnation is None
-        self.popen = subprocess.Popen(
+        self.forked = forked is not None
+        self.popen: Any = forked if forked is not None else subprocess.Popen(
             argv, env=env, stdin=subprocess.PIPE if self.standby else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             pass_fds=(lifeline.read_fd,), start_new_session=True,  # no preexec_fn: see the module docstring
         )
         self.pid = self.popen.pid
+        OWNED.add(self.pid)
         self.started = time.monotonic()
         assert self.popen.stdout is not None and self.popen.stderr is not None
         self._pumps = [Pump(self.popen.stdout, outputs[0], prefix, locks[0]),
@@ -149,6 +159,7 @@ class RankProcess:
 
     def _wait(self, wakeup: Wakeup) -> None:
         rc = self.popen.wait()
+        OWNED.discard(self.pid)
         with self._lock:
             self._exited = True
             incarnation = self.incarnation
@@ -244,6 +255,7 @@ class StoreHost:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         )  # no PR_SET_PDEATHSIG: it notices our death by the end of its stdin, and cleans up first
         self.pid = self.popen.pid
+        OWNED.add(self.pid)
         assert self.popen.stdout is not None and self.popen.stderr is not None
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, name="store host stdout", daemon=True).start()
@@ -324,4 +336,4 @@ class StoreHost:
         self._pump.join(timeout)
 
 
-__all__ = ["Lifeline", "Pump", "RankProcess", "StoreHost", "Wakeup"]
+__all__ = ["OWNED", "Lifeline", "Pump", "RankProcess", "StoreHost", "Wakeup"]

@@ -22,7 +22,7 @@ without a dump).
 Warm standbys (``--standby [--preload m1,m2]`` before the target): the same bootstrap,
 started ahead of a failure. It imports torch, the torch side of rallypoint and the
 ``--preload`` modules (from the script's folder too, as the script would), marks itself
-ready (creates the file named by ``RALLYPOINT_STANDBY_READY``) and waits on its stdin for
+ready (creates the file named by ``RALLYPOINT_STANDBY_READY``, holding its pid) and waits on its stdin for
 its go: one JSON object ``{"env": {...}}``, the environment of the rank and incarnation it
 becomes (``MASTER_PORT`` and ``TORCHELASTIC_RESTART_COUNT`` are only known then). It
 replaces its environment with that one (``os.environ``, so C++ code reading ``getenv``
@@ -167,7 +167,7 @@ def _set_policy(policy: int) -> None:
             pass
 
 
-def _preload(modules: list[str]) -> None:
+def _preload(modules: list[str], who: str = "standby") -> None:
     """Import what the script will need, so its own imports find them in ``sys.modules``.
     A module that cannot be imported ends the standby with a message (the supervisor stops
     making standbys after a few such deaths, and the ranks start cold)."""
@@ -180,7 +180,7 @@ def _preload(modules: list[str]) -> None:
         try:
             importlib.import_module(name)
         except BaseException as e:  # noqa: BLE001 - whatever a user's module raises
-            print(f"rallypoint run: standby: cannot preload {name!r}: {type(e).__name__}: {e}", file=sys.stderr,
+            print(f"rallypoint run: {who}: cannot preload {name!r}: {type(e).__name__}: {e}", file=sys.stderr,
                   flush=True)
             raise SystemExit(PRELOAD_FAILED_EXIT) from None
 
@@ -237,8 +237,8 @@ def _standby(preload: list[str]) -> bool:
     _preload(preload)
     ready = os.environ.get(READY_ENV)
     if ready:
-        with open(ready, "w"):
-            pass
+        with open(ready, "w") as f:
+            f.write(str(os.getpid()))  # which process is ready (a forked standby's /proc environ is its zygote's)
     done.wait()
     if "error" in got:
         raise SystemExit(f"rallypoint run: standby: a malformed go message ({got['error']})")

@@ -50,6 +50,12 @@ class StandbyPool:
         p = self._slots[rank]
         return p is not None and os.path.exists(self._ready_paths.get(p.pid, ""))
 
+    def state(self, rank: int) -> str:
+        """``rank``'s standby: ``ready``, ``importing`` or ``none``."""
+        if self._slots[rank] is None:
+            return "none"
+        return "ready" if self.ready(rank) else "importing"
+
     def pids(self) -> list[int]:
         return [p.pid for p in self._slots if p is not None]
 

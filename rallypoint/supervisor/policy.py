@@ -99,12 +99,51 @@ def standby_refill_delay(deaths_in_a_row: int) -> float | None:
     return min(30.0, 0.5 * 2.0 ** max(0, deaths_in_a_row - 1))
 
 
-def standby_start_due(now: float, started: float, all_reported: bool, delay_s: float) -> bool:
-    """Start the next incarnation's warm standbys now? Once every rank of the running
-    incarnation has committed a step (its imports, first quorum and heal are done, so the
-    standbys' imports no longer compete with them for the CPU), or ``delay_s`` after it
-    started (a script without a Manager never reports)."""
+ZYGOTE_OFF, ZYGOTE_STARTING, ZYGOTE_READY, ZYGOTE_FAILED = "off", "starting", "ready", "failed"
+
+
+def standby_start_due(now: float, started: float, all_reported: bool, delay_s: float,
+                      zygote: str = ZYGOTE_OFF) -> bool:
+    """Start the next incarnation's warm standbys now? With the group's zygote ready, at
+    once: a standby forked from it costs no import, so it takes no CPU from the group.
+    While the zygote imports, not yet (it will fork them). Otherwise (no zygote, or it
+    failed) once every rank of the running incarnation has committed a step (its imports,
+    first quorum and heal are done, so the standbys' imports no longer compete with them
+    for the CPU), or ``delay_s`` after it started (a script without a Manager never
+    reports)."""
+    if zygote == ZYGOTE_READY:
+        return True
+    if zygote == ZYGOTE_STARTING:
+        return False
     return all_reported or now - started >= delay_s
+
+
+def zygote_wanted(standby: bool, subreaper: bool, linux: bool) -> bool:
+    """Start a zygote for the group? Only with standbys on (``--no-standby`` keeps every
+    rank a new process, as before) and where the supervisor can adopt the zygote's
+    children (Linux, ``PR_SET_CHILD_SUBREAPER`` set)."""
+    return standby and subreaper and linux
+
+
+def rank_source(standby: str, zygote: str) -> str:
+    """Where a rank of a new incarnation comes from. ``standby``: its standby's state,
+    ``ready``, ``importing`` or ``none``; ``zygote``: ``ZYGOTE_*``. The answer:
+
+    - ``standby``: its ready standby (the fastest: already forked or imported), or an
+      importing one when there is no ready zygote to fork from (it has a head start);
+    - ``zygote``: a child forked from the ready zygote (imports done; a fork);
+    - ``wait``: wait for the zygote still importing (further along than a new process
+      would be, and a group's first start then costs one import instead of one per rank);
+    - ``cold``: a new process (no zygote, or it failed)."""
+    if standby == "ready":
+        return "standby"
+    if zygote == ZYGOTE_READY:
+        return "zygote"
+    if standby == "importing":
+        return "standby"
+    if zygote == ZYGOTE_STARTING:
+        return "wait"
+    return "cold"
 
 
 def after_failure(policy: RestartPolicy, streak_before: int, progressed: bool) -> Decision:
@@ -198,5 +237,6 @@ __all__ = [
     "DONE", "FAILED", "POLL_MAX_S", "RUNNING", "STANDBY_DEATHS_MAX", "Decision", "RestartPolicy", "after_failure",
     "backoff",
     "describe_exit", "first_failure", "group_state", "hung_ranks", "made_progress", "parse_progress", "poll_period",
-    "progress_change_time", "standby_refill_delay", "standby_start_due", "stop_exit_code", "watch_wait",
+    "progress_change_time", "rank_source", "standby_refill_delay", "standby_start_due", "stop_exit_code",
+    "watch_wait", "zygote_wanted", "ZYGOTE_FAILED", "ZYGOTE_OFF", "ZYGOTE_READY", "ZYGOTE_STARTING",
 ]

@@ -60,6 +60,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import IO, Any
 
+from rallypoint.supervisor._forks import Zygote, reap_orphans, set_subreaper
 from rallypoint.supervisor._procs import Lifeline, RankProcess, StoreHost, Wakeup
 from rallypoint.supervisor._rendezvous import NodeRendezvous, RdzvConfig
 from rallypoint.supervisor._report import EventReporter
@@ -68,8 +69,8 @@ from rallypoint.supervisor.args import USAGE_EXIT, RunConfig, UsageError, config
 from rallypoint.supervisor.envs import READY_ENV, GroupSpec, log_prefix, rank_env
 from rallypoint.supervisor.nodes import NodeInfo, RoundPlan
 from rallypoint.supervisor.policy import (
-    DONE, FAILED, after_failure, describe_exit, first_failure, group_state, made_progress, standby_start_due,
-    stop_exit_code,
+    DONE, FAILED, ZYGOTE_FAILED, ZYGOTE_OFF, ZYGOTE_READY, ZYGOTE_STARTING, after_failure, describe_exit,
+    first_failure, group_state, made_progress, rank_source, standby_start_due, stop_exit_code, zygote_wanted,
 )  # fmt: skip
 from rallypoint.supervisor._watch import ProgressWatch
 
@@ -81,6 +82,7 @@ KILL_WAIT_S = 10.0  # after SIGKILL, for the kernel to reap
 DUMP_WAIT_S = 1.0  # the longest wait for the stack dumps of a hung group
 DUMP_QUIET_S = 0.2  # a rank's dump is complete once its stderr has been quiet this long
 STANDBY_POLL_S = 0.2  # how often the loop looks whether the standbys are due
+ZYGOTE_READY_S = 300.0  # the longest a start waits for the zygote's imports before starting cold
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class Supervisor:
         self._reporter = EventReporter(cfg.lighthouse or self._environ.get("RALLYPOINT_LIGHTHOUSE")
                                        or self._environ.get("TORCHFT_LIGHTHOUSE"), cfg.group_id, self._environ)
         self._pool = StandbyPool(cfg.nproc, self._start_standby, self._rundir, self._name) if cfg.standby else None
+        self._zygote: Zygote | None = None
 
     # ------------------------------------------------------------------ outer shell
     def run(self) -> int:
@@ -145,6 +148,9 @@ class Supervisor:
             self._kill_all()
             if self._pool is not None:
                 self._pool.close()
+            if self._zygote is not None:
+                self._zygote.close()
+                reap_orphans()
             self._reporter.close(2.0)
             if self._rdzv is not None:
                 self._rdzv.stop_watch()
@@ -193,6 +199,7 @@ class Supervisor:
                  f", rendezvous {cfg.rdzv_backend} at {cfg.rdzv_endpoint} (id {cfg.rdzv_id})" if cfg.multinode else "")
         self._event("started", nproc=cfg.nproc, target=os.path.basename(cfg.target), standby=cfg.standby,
                     hang_timeout_s=cfg.hang_timeout_s)
+        self._start_zygote()
         incarnation, restart = -1 if cfg.multinode else 0, None
         while True:
             if self._store.popen.returncode is not None:
@@ -203,10 +210,14 @@ class Supervisor:
                 if isinstance(met, int):
                     return met
                 incarnation = met.incarnation
+            if any(rank_source(self._standby_state(r), self._zygote_state()) == "wait" for r in range(cfg.nproc)) \
+                    and self._await_zygote():
+                return self._stopped()
             started = time.monotonic()
             self._ranks = []
             warm: list[int] = []
             importing: list[int] = []
+            forked: list[int] = []
             try:
                 for r in range(cfg.nproc):
                     ready = self._pool is not None and self._pool.ready(r)
@@ -214,6 +225,8 @@ class Supervisor:
                     self._ranks.append(proc)
                     if proc.started < started:
                         (warm if ready else importing).append(r)
+                    elif proc.forked:
+                        forked.append(r)
             except OSError as e:
                 log.error("%s: cannot start rank %d: %s", self._name, len(self._ranks), e)
                 return 1
@@ -224,7 +237,7 @@ class Supervisor:
                 failed_at = restart.pop("t")
                 restart["incarnation"] = incarnation
                 self._event("restart", logging.WARNING, **restart, restart_s=round(started - failed_at, 3),
-                            warm_ranks=warm, importing_ranks=importing)
+                            warm_ranks=warm, importing_ranks=importing, forked_ranks=forked)
             end = self._watch(incarnation, started)
             if end.kind == "signal":
                 self._stop_signal = end.signum
@@ -400,26 +413,98 @@ class Supervisor:
                 cfg.target, *cfg.script_args]
 
     def _start_rank(self, spec: GroupSpec, rank: int, incarnation: int) -> RankProcess:
-        """``rank`` of ``incarnation``: its warm standby if there is a live one, else a new
-        process."""
+        """``rank`` of ``incarnation``: from its standby, the zygote or a new process, as
+        ``policy.rank_source`` says."""
         env = rank_env(self._environ, spec, rank, incarnation, self._progress_path(incarnation, rank),
                        self._lifeline.read_fd)
         prefix = log_prefix(self.cfg.group_id, spec.group_rank * spec.nproc + rank)
-        standby = self._pool.take(rank) if self._pool is not None else None
-        if standby is not None and standby.activate(env, incarnation, prefix):
-            return standby
+        source = rank_source(self._standby_state(rank), self._zygote_state())
+        proc = self._pool.take(rank) if source == "standby" and self._pool is not None else \
+            self._forked(rank, None, prefix) if source == "zygote" else None
+        if proc is not None and proc.activate(env, incarnation, prefix):
+            return proc
         return RankProcess(self._argv(False), env, rank, incarnation, prefix, self._wake,
                            self._lifeline, self._outputs, self._locks)
 
     def _start_standby(self, rank: int, ready_path: str) -> RankProcess:
-        """A standby for ``rank``; its environment is the next incarnation's as far as it is
-        known now (the go brings the exact one)."""
+        """A standby for ``rank``: forked from the ready zygote, else a new process whose
+        environment is the next incarnation's as far as it is known now (the go brings the
+        exact one)."""
         assert self._spec is not None
+        prefix = log_prefix(self.cfg.group_id, f"r{self._spec.group_rank * self._spec.nproc + rank} standby")
+        forked = self._forked(rank, ready_path, prefix) if self._zygote_state() == ZYGOTE_READY else None
+        if forked is not None:
+            return forked
         env = rank_env(self._environ, self._spec, rank, (self._ranks[0].incarnation or 0) + 1 if self._ranks else 0,
                        None, self._lifeline.read_fd)
         env[READY_ENV] = ready_path
-        return RankProcess(self._argv(True), env, rank, None, log_prefix(self.cfg.group_id, f"r{self._spec.group_rank * self._spec.nproc + rank} standby"),
-                           self._wake, self._lifeline, self._outputs, self._locks)
+        return RankProcess(self._argv(True), env, rank, None, prefix, self._wake, self._lifeline, self._outputs,
+                           self._locks)
+
+    # ------------------------------------------------------------------ the zygote (_zygote.py, _forks.py)
+    def _start_zygote(self) -> None:
+        """With standbys on (Linux), the group's zygote: it imports once, then the ranks and
+        standbys are forked from it. The ranks of the first start wait for its imports."""
+        cfg = self.cfg
+        assert self._spec is not None
+        linux = sys.platform.startswith("linux")
+        if not zygote_wanted(cfg.standby, cfg.standby and linux and set_subreaper(), linux):
+            return
+        argv = [sys.executable, "-m", "rallypoint.supervisor._zygote",
+                *(["--preload", ",".join(cfg.preload)] if cfg.preload else []), *(["-m"] if cfg.module else []),
+                cfg.target, *cfg.script_args]
+        try:
+            self._zygote = Zygote(argv, rank_env(self._environ, self._spec, 0, 0, None, self._lifeline.read_fd),
+                                  self._lifeline, log_prefix(cfg.group_id, "zygote"), self._wake, self._outputs,
+                                  self._locks)
+        except OSError as e:
+            log.warning("%s: cannot start the zygote (%s); ranks and standbys start cold", self._name, e)
+
+    def _zygote_state(self) -> str:
+        return ZYGOTE_OFF if self._zygote is None else self._zygote.state
+
+    def _standby_state(self, rank: int) -> str:
+        return "none" if self._pool is None else self._pool.state(rank)
+
+    def _forked(self, rank: int, ready_path: str | None, prefix: str) -> RankProcess | None:
+        """A child of the zygote waiting for its go (None, and the zygote given up, when it cannot)."""
+        assert self._zygote is not None
+        try:
+            child = self._zygote.fork(ready_path)
+        except OSError as e:
+            self._zygote_failed(f"could not fork ({e})")
+            return None
+        return RankProcess([], {}, rank, None, prefix, self._wake, self._lifeline, self._outputs, self._locks,
+                           forked=child)
+
+    def _zygote_failed(self, why: str) -> None:
+        """Fall back to cold ranks and standbys for good, saying so once."""
+        z = self._zygote
+        if z is None or z.state == ZYGOTE_FAILED:
+            return
+        log.warning("%s: the zygote (pid %d) %s; ranks and standbys start cold from now on", self._name, z.pid, why)
+        z.close(1.0)
+
+    def _await_zygote(self) -> bool:
+        """Wait for the zygote to be ready or fail (at most ``ZYGOTE_READY_S``); True when a
+        stop signal came meanwhile. Other events are kept for the loops that handle them."""
+        deadline, later = time.monotonic() + ZYGOTE_READY_S, []
+        try:
+            while self._zygote_state() == ZYGOTE_STARTING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._zygote_failed(f"was not ready after {ZYGOTE_READY_S:g}s")
+                for ev in self._wake.wait(max(left, 0.0)):
+                    self._other_event(ev)
+                    if ev[0] == "signal":
+                        self._stop_signal = ev[1]
+                        return True
+                    if ev[0] in ("store_exit", "peer"):
+                        later.append(ev)
+            return False
+        finally:
+            for ev in later:
+                self._wake.post(*ev)
 
     def _guard(self) -> None:
         """Tell the store host which process groups to take down if we die."""
@@ -432,6 +517,15 @@ class Supervisor:
         ``_meet``)."""
         if ev[0] == "standby_exit" and self._pool is not None:
             self._pool.died(ev[1], ev[2], time.monotonic())
+        elif ev[0] == "zygote" and self._zygote is not None:
+            if ev[1] == "ready" and self._zygote.state == ZYGOTE_STARTING:
+                self._zygote.state = ZYGOTE_READY
+                log.info("%s: the zygote (pid %d) is ready (imports took %ss): ranks and standbys are forked from it",
+                         self._name, self._zygote.pid, ev[2])
+            elif ev[1] == "failed":
+                self._zygote_failed(f"could not get ready: {ev[2]}")
+            elif ev[1] == "exit":
+                self._zygote_failed(f"exited ({describe_exit(ev[2])})")
         elif ev[0] in ("round", "round_error"):
             self._round_events.append(ev)
 
@@ -442,7 +536,8 @@ class Supervisor:
             return None
         now = time.monotonic()
         reported = all(os.path.exists(self._progress_path(incarnation, r)) for r in range(self.cfg.nproc))
-        if not standby_start_due(now, started, reported, self.cfg.standby_delay_s) or pool.due(now) > 0:
+        if not standby_start_due(now, started, reported, self.cfg.standby_delay_s, self._zygote_state()) \
+                or pool.due(now) > 0:
             return max(pool.due(now), STANDBY_POLL_S) if reported else STANDBY_POLL_S
         if pool.fill(now):
             self._guard()
@@ -551,6 +646,8 @@ class Supervisor:
     def _finish_ranks(self) -> None:
         for r in self._ranks:
             r.finish()
+        if self._zygote is not None:  # a subreaper: the ranks' orphans are ours to reap
+            reap_orphans()
         if self._store is not None:  # their pids may be reused from now on
             self._store.guard(self._pool.pids() if self._pool is not None else [])
 
