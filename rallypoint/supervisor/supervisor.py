@@ -32,14 +32,15 @@ Exit codes: 0 when every rank exited 0; 128+signal after a requested stop (143 f
 130 for SIGINT); 1 after a crash loop (``--max-restarts``) or when the store cannot be
 hosted; 2 for a usage error (nothing started).
 
-Warm standbys (on unless ``--no-standby``): once every rank of an incarnation has
-committed a step (or ``--standby-delay`` after its start), one standby per rank is started
-(``_standby.py``; it imports torch, rallypoint and ``--preload``, then waits). A restart
-hands each rank's standby its environment instead of starting a process, and the next
-standbys start once the new incarnation has committed. A standby that dies while waiting
-is replaced (``policy.standby_refill_delay``); the restart line says which ranks started
-warm (``warm_ranks``: from a ready standby; ``importing_ranks``: from a standby still
-importing, which finishes its imports at normal priority).
+Warm standbys (on unless ``--no-standby``; ``_starts.py``): the group's zygote imports
+torch, rallypoint and ``--preload`` once; the first start's ranks are forked from it, and
+one standby per rank at once (ready: no import). Without a zygote (it failed: said once),
+standbys are new processes started once every rank has committed a step (or
+``--standby-delay`` after the start). A restart hands each rank's standby its environment
+instead of starting a process. A standby that dies while waiting is replaced
+(``policy.standby_refill_delay``); the restart line says where each rank came from
+(``warm_ranks``: a ready standby; ``forked_ranks``: a fork of the zygote at the restart;
+``importing_ranks``: a standby still importing, which finishes at normal priority).
 """
 
 from __future__ import annotations
@@ -60,17 +61,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import IO, Any
 
-from rallypoint.supervisor._forks import Zygote, reap_orphans, set_subreaper
 from rallypoint.supervisor._procs import Lifeline, RankProcess, StoreHost, Wakeup
 from rallypoint.supervisor._rendezvous import NodeRendezvous, RdzvConfig
 from rallypoint.supervisor._report import EventReporter
-from rallypoint.supervisor._standby import StandbyPool
+from rallypoint.supervisor._starts import ZYGOTE_READY_S, Starts
 from rallypoint.supervisor.args import USAGE_EXIT, RunConfig, UsageError, config_from_args
-from rallypoint.supervisor.envs import READY_ENV, GroupSpec, log_prefix, rank_env
+from rallypoint.supervisor.envs import GroupSpec, log_prefix, rank_env
 from rallypoint.supervisor.nodes import NodeInfo, RoundPlan
 from rallypoint.supervisor.policy import (
-    DONE, FAILED, ZYGOTE_FAILED, ZYGOTE_OFF, ZYGOTE_READY, ZYGOTE_STARTING, after_failure, describe_exit,
-    first_failure, group_state, made_progress, rank_source, standby_start_due, stop_exit_code, zygote_wanted,
+    DONE, FAILED, ZYGOTE_STARTING, after_failure, describe_exit, first_failure, group_state, made_progress,
+    standby_start_due, stop_exit_code,
 )  # fmt: skip
 from rallypoint.supervisor._watch import ProgressWatch
 
@@ -82,7 +82,6 @@ KILL_WAIT_S = 10.0  # after SIGKILL, for the kernel to reap
 DUMP_WAIT_S = 1.0  # the longest wait for the stack dumps of a hung group
 DUMP_QUIET_S = 0.2  # a rank's dump is complete once its stderr has been quiet this long
 STANDBY_POLL_S = 0.2  # how often the loop looks whether the standbys are due
-ZYGOTE_READY_S = 300.0  # the longest a start waits for the zygote's imports before starting cold
 
 
 @dataclass(frozen=True)
@@ -134,8 +133,9 @@ class Supervisor:
                                         self._wake.post)
         self._reporter = EventReporter(cfg.lighthouse or self._environ.get("RALLYPOINT_LIGHTHOUSE")
                                        or self._environ.get("TORCHFT_LIGHTHOUSE"), cfg.group_id, self._environ)
-        self._pool = StandbyPool(cfg.nproc, self._start_standby, self._rundir, self._name) if cfg.standby else None
-        self._zygote: Zygote | None = None
+        self._starts = Starts(cfg, self._standby_env, self._wake, self._lifeline, self._outputs, self._locks,
+                              self._rundir, self._name)  # the zygote and the standbys (``_starts.py``)
+        self._pool = self._starts.pool
 
     # ------------------------------------------------------------------ outer shell
     def run(self) -> int:
@@ -146,11 +146,7 @@ class Supervisor:
             return self._run()
         finally:
             self._kill_all()
-            if self._pool is not None:
-                self._pool.close()
-            if self._zygote is not None:
-                self._zygote.close()
-                reap_orphans()
+            self._starts.close()
             self._reporter.close(2.0)
             if self._rdzv is not None:
                 self._rdzv.stop_watch()
@@ -199,7 +195,7 @@ class Supervisor:
                  f", rendezvous {cfg.rdzv_backend} at {cfg.rdzv_endpoint} (id {cfg.rdzv_id})" if cfg.multinode else "")
         self._event("started", nproc=cfg.nproc, target=os.path.basename(cfg.target), standby=cfg.standby,
                     hang_timeout_s=cfg.hang_timeout_s)
-        self._start_zygote()
+        self._starts.start_zygote(rank_env(self._environ, self._spec, 0, 0, None, self._lifeline.read_fd))
         incarnation, restart = -1 if cfg.multinode else 0, None
         while True:
             if self._store.popen.returncode is not None:
@@ -210,8 +206,7 @@ class Supervisor:
                 if isinstance(met, int):
                     return met
                 incarnation = met.incarnation
-            if any(rank_source(self._standby_state(r), self._zygote_state()) == "wait" for r in range(cfg.nproc)) \
-                    and self._await_zygote():
+            if any(self._starts.source(r) == "wait" for r in range(cfg.nproc)) and self._await_zygote():
                 return self._stopped()
             started = time.monotonic()
             self._ranks = []
@@ -406,94 +401,29 @@ class Supervisor:
             return self._stopped()
         return {**facts, "backoff_s": round(decision.backoff_s, 3), "t": failed_at}
 
-    def _argv(self, standby: bool) -> list[str]:
-        cfg = self.cfg
-        head = ["--standby", *(["--preload", ",".join(cfg.preload)] if cfg.preload else [])] if standby else []
-        return [sys.executable, "-m", "rallypoint.supervisor._rank", *head, *(["-m"] if cfg.module else []),
-                cfg.target, *cfg.script_args]
-
     def _start_rank(self, spec: GroupSpec, rank: int, incarnation: int) -> RankProcess:
-        """``rank`` of ``incarnation``: from its standby, the zygote or a new process, as
-        ``policy.rank_source`` says."""
+        """``rank`` of ``incarnation``: from its standby, the zygote or a new process."""
         env = rank_env(self._environ, spec, rank, incarnation, self._progress_path(incarnation, rank),
                        self._lifeline.read_fd)
         prefix = log_prefix(self.cfg.group_id, spec.group_rank * spec.nproc + rank)
-        source = rank_source(self._standby_state(rank), self._zygote_state())
-        proc = self._pool.take(rank) if source == "standby" and self._pool is not None else \
-            self._forked(rank, None, prefix) if source == "zygote" else None
-        if proc is not None and proc.activate(env, incarnation, prefix):
-            return proc
-        return RankProcess(self._argv(False), env, rank, incarnation, prefix, self._wake,
-                           self._lifeline, self._outputs, self._locks)
+        return self._starts.rank(rank, incarnation, env, prefix)
 
-    def _start_standby(self, rank: int, ready_path: str) -> RankProcess:
-        """A standby for ``rank``: forked from the ready zygote, else a new process whose
-        environment is the next incarnation's as far as it is known now (the go brings the
-        exact one)."""
+    def _standby_env(self, rank: int) -> dict[str, str]:
+        """A standby's environment: the next incarnation's as far as it is known now (the go
+        brings the exact one)."""
         assert self._spec is not None
-        prefix = log_prefix(self.cfg.group_id, f"r{self._spec.group_rank * self._spec.nproc + rank} standby")
-        forked = self._forked(rank, ready_path, prefix) if self._zygote_state() == ZYGOTE_READY else None
-        if forked is not None:
-            return forked
-        env = rank_env(self._environ, self._spec, rank, (self._ranks[0].incarnation or 0) + 1 if self._ranks else 0,
-                       None, self._lifeline.read_fd)
-        env[READY_ENV] = ready_path
-        return RankProcess(self._argv(True), env, rank, None, prefix, self._wake, self._lifeline, self._outputs,
-                           self._locks)
-
-    # ------------------------------------------------------------------ the zygote (_zygote.py, _forks.py)
-    def _start_zygote(self) -> None:
-        """With standbys on (Linux), the group's zygote: it imports once, then the ranks and
-        standbys are forked from it. The ranks of the first start wait for its imports."""
-        cfg = self.cfg
-        assert self._spec is not None
-        linux = sys.platform.startswith("linux")
-        if not zygote_wanted(cfg.standby, cfg.standby and linux and set_subreaper(), linux):
-            return
-        argv = [sys.executable, "-m", "rallypoint.supervisor._zygote",
-                *(["--preload", ",".join(cfg.preload)] if cfg.preload else []), *(["-m"] if cfg.module else []),
-                cfg.target, *cfg.script_args]
-        try:
-            self._zygote = Zygote(argv, rank_env(self._environ, self._spec, 0, 0, None, self._lifeline.read_fd),
-                                  self._lifeline, log_prefix(cfg.group_id, "zygote"), self._wake, self._outputs,
-                                  self._locks)
-        except OSError as e:
-            log.warning("%s: cannot start the zygote (%s); ranks and standbys start cold", self._name, e)
-
-    def _zygote_state(self) -> str:
-        return ZYGOTE_OFF if self._zygote is None else self._zygote.state
-
-    def _standby_state(self, rank: int) -> str:
-        return "none" if self._pool is None else self._pool.state(rank)
-
-    def _forked(self, rank: int, ready_path: str | None, prefix: str) -> RankProcess | None:
-        """A child of the zygote waiting for its go (None, and the zygote given up, when it cannot)."""
-        assert self._zygote is not None
-        try:
-            child = self._zygote.fork(ready_path)
-        except OSError as e:
-            self._zygote_failed(f"could not fork ({e})")
-            return None
-        return RankProcess([], {}, rank, None, prefix, self._wake, self._lifeline, self._outputs, self._locks,
-                           forked=child)
-
-    def _zygote_failed(self, why: str) -> None:
-        """Fall back to cold ranks and standbys for good, saying so once."""
-        z = self._zygote
-        if z is None or z.state == ZYGOTE_FAILED:
-            return
-        log.warning("%s: the zygote (pid %d) %s; ranks and standbys start cold from now on", self._name, z.pid, why)
-        z.close(1.0)
+        return rank_env(self._environ, self._spec, rank, (self._ranks[0].incarnation or 0) + 1 if self._ranks else 0,
+                        None, self._lifeline.read_fd)
 
     def _await_zygote(self) -> bool:
         """Wait for the zygote to be ready or fail (at most ``ZYGOTE_READY_S``); True when a
         stop signal came meanwhile. Other events are kept for the loops that handle them."""
         deadline, later = time.monotonic() + ZYGOTE_READY_S, []
         try:
-            while self._zygote_state() == ZYGOTE_STARTING:
+            while self._starts.zygote_state() == ZYGOTE_STARTING:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._zygote_failed(f"was not ready after {ZYGOTE_READY_S:g}s")
+                    self._starts.zygote_failed(f"was not ready after {ZYGOTE_READY_S:g}s")
                 for ev in self._wake.wait(max(left, 0.0)):
                     self._other_event(ev)
                     if ev[0] == "signal":
@@ -517,15 +447,8 @@ class Supervisor:
         ``_meet``)."""
         if ev[0] == "standby_exit" and self._pool is not None:
             self._pool.died(ev[1], ev[2], time.monotonic())
-        elif ev[0] == "zygote" and self._zygote is not None:
-            if ev[1] == "ready" and self._zygote.state == ZYGOTE_STARTING:
-                self._zygote.state = ZYGOTE_READY
-                log.info("%s: the zygote (pid %d) is ready (imports took %ss): ranks and standbys are forked from it",
-                         self._name, self._zygote.pid, ev[2])
-            elif ev[1] == "failed":
-                self._zygote_failed(f"could not get ready: {ev[2]}")
-            elif ev[1] == "exit":
-                self._zygote_failed(f"exited ({describe_exit(ev[2])})")
+        elif ev[0] == "zygote":
+            self._starts.on_zygote(ev[1], ev[2])
         elif ev[0] in ("round", "round_error"):
             self._round_events.append(ev)
 
@@ -536,7 +459,7 @@ class Supervisor:
             return None
         now = time.monotonic()
         reported = all(os.path.exists(self._progress_path(incarnation, r)) for r in range(self.cfg.nproc))
-        if not standby_start_due(now, started, reported, self.cfg.standby_delay_s, self._zygote_state()) \
+        if not standby_start_due(now, started, reported, self.cfg.standby_delay_s, self._starts.zygote_state()) \
                 or pool.due(now) > 0:
             return max(pool.due(now), STANDBY_POLL_S) if reported else STANDBY_POLL_S
         if pool.fill(now):
@@ -646,8 +569,7 @@ class Supervisor:
     def _finish_ranks(self) -> None:
         for r in self._ranks:
             r.finish()
-        if self._zygote is not None:  # a subreaper: the ranks' orphans are ours to reap
-            reap_orphans()
+        self._starts.reap()  # a subreaper (with a zygote): the ranks' orphans are ours to reap
         if self._store is not None:  # their pids may be reused from now on
             self._store.guard(self._pool.pids() if self._pool is not None else [])
 
