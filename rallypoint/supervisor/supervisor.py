@@ -232,7 +232,8 @@ class Supervisor:
                 failed_at = restart.pop("t")
                 restart["incarnation"] = incarnation
                 self._event("restart", logging.WARNING, **restart, restart_s=round(started - failed_at, 3),
-                            warm_ranks=warm, importing_ranks=importing, forked_ranks=forked)
+                            warm_ranks=warm, importing_ranks=importing, forked_ranks=forked,
+                            pids=[r.pid for r in self._ranks])
             end = self._watch(incarnation, started)
             if end.kind == "signal":
                 self._stop_signal = end.signum
