@@ -217,7 +217,9 @@ def _standby(preload: list[str]) -> bool:
     training that now waits for this rank."""
     got: dict[str, object] = {}
     done = threading.Event()
-    idle = _sched_idle_reversible()
+    # A standby forked from the zygote has nothing left to import: it stays at normal
+    # priority (at SCHED_IDLE on a busy host it could wait seconds to write its ready file).
+    idle = not all(m in sys.modules for m in (*DEFAULT_PRELOAD, *preload)) and _sched_idle_reversible()
 
     def read() -> None:
         try:
