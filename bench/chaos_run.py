@@ -102,6 +102,7 @@ class _Group:
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=env, cwd=str(REPO), text=True, bufsize=1, preexec_fn=_die_with_bench)
         self.pid = self.proc.pid
+        self.tmpdir = env.get("TMPDIR", tempfile.gettempdir())  # the supervisor's scratch folder is under it
         for src, fn in ((self.proc.stdout, self._out), (self.proc.stderr, self._err)):
             threading.Thread(target=self._read, args=(src, fn), name=f"g{gid}-reader", daemon=True).start()
 
@@ -140,7 +141,8 @@ class _Group:
         """rank -> is its standby ready (imports done)? From /proc: the supervisor's
         children started with ``--standby`` that are not running ranks."""
         out: dict[int, bool] = {}
-        for pid, (ppid, cmd) in _procs().items():
+        procs = _procs()
+        for pid, (ppid, cmd) in procs.items():
             if ppid != self.pid:
                 continue
             if "--standby" not in cmd or pid in rank_pids:
@@ -152,6 +154,16 @@ class _Group:
                 continue
             ready = env.get("RALLYPOINT_STANDBY_READY")
             out[rank] = out.get(rank, False) or bool(ready and os.path.exists(ready))
+        # A standby forked from the group's zygote shows the zygote's command line and
+        # environment in /proc; it writes its pid into its ready file, standby.<n>.r<rank>.ready,
+        # in the supervisor's scratch folder (under our TMPDIR).
+        for f in Path(self.tmpdir).glob("rallypoint-run-*/standby.*.r*.ready"):
+            try:
+                pid, rank = int(f.read_text()), int(f.name.rsplit(".r", 1)[1].split(".")[0])
+            except (OSError, ValueError, IndexError):
+                continue
+            if pid not in rank_pids and procs.get(pid, (None, ""))[0] == self.pid:
+                out[rank] = True
         return out
 
     def tail(self, n: int = 1500) -> str:

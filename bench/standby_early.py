@@ -66,11 +66,13 @@ class _Group:
     """One group's supervisor (or torchrun): its stdout records and stderr restart events
     in a queue, ``(kind, wall time, payload)``."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log: str) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
         self.q: queue.Queue[tuple[str, float, Any]] = queue.Queue()
         self.log = open(log, "w")
+        self.zygote = False  # did the supervisor say it has a zygote (ours) or not (ours before)?
         self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                                     stderr=subprocess.PIPE, start_new_session=True,
+                                     cwd=cwd)  # not the checkout: ``-m rallypoint`` would find it first
         self.started = time.time()
         threading.Thread(target=self._out, daemon=True).start()
         threading.Thread(target=self._err, daemon=True).start()
@@ -93,6 +95,7 @@ class _Group:
         for raw in self.proc.stderr:
             line = raw.decode("utf-8", "replace")
             self.log.write(line)
+            self.zygote = self.zygote or "the zygote (pid" in line
             if '"event": "restart"' in line:
                 t = _log_time(line)
                 self.q.put(("restart", t if t is not None else time.time(), json.loads(line[line.index("{"):])))
@@ -179,7 +182,7 @@ def _run(variant: str, plan: dict[str, Any], tmp: str) -> dict[str, Any]:
         for gid in range(2):
             groups.append(_Group(_argv(variant, gid, lh.addr(), wplan),
                                  _env(variant, gid, lh.addr(), Path(plan["before_src"]), tmp),
-                                 os.path.join(tmp, f"{variant}.g{gid}.log")))
+                                 os.path.join(tmp, f"{variant}.g{gid}.log"), tmp))
             if gid == 0:
                 time.sleep(0.5)  # group 0 first: group 1 joins a running job
         g1 = groups[1]
@@ -245,6 +248,9 @@ def _run(variant: str, plan: dict[str, Any], tmp: str) -> dict[str, Any]:
             if k < len(schedule):
                 time.sleep(max(0.0, restarted + schedule[k] - time.time()))
         res.pop("kills_prev_restart", None)
+        if g1.zygote != (variant == "ours"):
+            raise RuntimeError(f"{variant}: the supervisor {'did not say' if g1.zygote else 'said'} it has a zygote: "
+                               "not the rallypoint meant")
         return res
     finally:
         Path(stop_file).write_text(json.dumps({"exit": True}))

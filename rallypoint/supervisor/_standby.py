@@ -72,7 +72,7 @@ class StandbyPool:
         started = []
         for rank in self.missing():
             self._serial += 1
-            path = os.path.join(self._rundir, f"standby.{self._serial}.ready")
+            path = os.path.join(self._rundir, f"standby.{self._serial}.r{rank}.ready")  # its pid inside (_rank.py)
             try:
                 proc = self._start(rank, path)
             except OSError as e:
