@@ -10,8 +10,10 @@ trains it. What it adds, none of it in TorchTitan's files:
   backend for it (gloo) and ``torch.cpu`` as its device module; the few ``torch.cuda`` calls
   it still makes on its setup path are answered for a machine without a GPU.
 * one JSON line per training step on stdout (``TITAN {...}``: the trainer's step, the
-  fault-tolerance manager's committed-step count and the wall time) so the test can see when
-  a restarted group healed and committed, without reading either library's log wording;
+  fault-tolerance manager's step count, what its ``should_commit`` answered during the step,
+  and the wall time) so the test can see when a restarted group healed and committed,
+  without reading either library's log wording (``should_commit`` is wrapped on the manager
+  instance to record its answer, which it returns unchanged);
 * at the end, ``TITAN {"params": {...}}``: a sha256 per parameter (the full tensor) so the
   test can check that the replica groups ended with identical weights.
 
@@ -158,11 +160,24 @@ def train(argv: list[str]) -> None:
     trainer = config.build()  # type: ignore[attr-defined]
     inner = trainer.train_step
     ft = trainer.ft_manager
+    votes: list[bool] = []
+    if ft.enabled:
+        manager = ft.manager
+        should_commit = manager.should_commit
+
+        def observed_should_commit(*args: Any, **kwargs: Any) -> bool:
+            ok = should_commit(*args, **kwargs)
+            votes.append(bool(ok))
+            return ok
+
+        manager.should_commit = observed_should_commit  # this instance only, observed not changed
 
     def train_step(*args: Any, **kwargs: Any) -> Any:
+        votes.clear()
         out = inner(*args, **kwargs)
         committed = ft.manager.current_step() if ft.enabled else trainer.step
-        emit({"step": trainer.step, "committed": committed, "t": time.time()})
+        # ok: this step's should_commit answers (none on DiLoCo's inner steps)
+        emit({"step": trainer.step, "committed": committed, "ok": list(votes), "t": time.time()})
         return out
 
     trainer.train_step = train_step  # this instance only: TorchTitan's class is untouched
