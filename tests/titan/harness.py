@@ -73,6 +73,19 @@ def differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
+#: The serving group's crash when a peer's heal reads its FSDP2 state from the quorum thread
+#: while its forward pass runs (torchtitan#4754): torchft 0.2.0's synchronous (async quorum) run.
+RACE = "got mixed torch.Tensor and DTensor"
+
+
+def crash_of(log_text: str) -> str | None:
+    """The error line a trainer died with, when it is the heal-serving race (None otherwise)."""
+    for line in log_text.splitlines():
+        if RACE in line and "Error" in line:
+            return line.replace("[rank0]:", "").strip()
+    return None
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The heal-time table (markdown): one row per scenario, a column per backend."""
     modes = sorted({r["mode"] for r in rows})
@@ -213,6 +226,7 @@ class Outcome:
     healed_step: int | None
     params: list[dict[str, str] | None]
     logs: list[Path]
+    error: str | None = None  # the run never reached the kill (why)
 
     def row(self) -> dict[str, Any]:
         return {"kind": self.kind, "mode": self.mode, "heal_s": self.heal_s, "healed_step": self.healed_step}
@@ -274,13 +288,19 @@ def run_scenario(sc: Scenario) -> Outcome:
         lh = Run(_lighthouse_argv(sc), sc.work / "lighthouse.log", _env(sc, None), sc.work)
         runs.append(lh)
         info = lh.wait_for(lambda x: isinstance(x, str) and x.startswith("{\"lighthouse\""), 60, "lighthouse ready")
-        address = json.loads(info)["lighthouse"]
+        # stderr shares the pipe: a log line may follow the JSON object on the same line
+        address = json.JSONDecoder().raw_decode(info)[0]["lighthouse"]
         env = _env(sc, address)
         g0 = Run(_group_argv(sc, 0), sc.work / "group0.log", env, sc.work)
         g1 = Run(_group_argv(sc, 1), sc.work / "group1.log", env, sc.work)
         runs += [g0, g1]
-        victim = g1.wait_for(lambda e: isinstance(e, dict) and e.get("step", 0) >= sc.kill_at,
-                             sc.start_timeout, f"group 1 reaching step {sc.kill_at}")
+        try:
+            victim = g1.wait_for(lambda e: isinstance(e, dict) and e.get("step", 0) >= sc.kill_at,
+                                 sc.start_timeout, f"group 1 reaching step {sc.kill_at}")
+        except AssertionError as e:
+            return Outcome(kind=sc.kind, mode=sc.mode, rcs=[g0.proc.poll(), g1.proc.poll()], kill_t=0.0,
+                           kill_step=-1, heal_s=None, healed_step=None, params=[None, None],
+                           logs=[g0.log, g1.log, lh.log], error=str(e))
         kill_t = time.time()
         g1.kill()
         deadline = time.monotonic() + sc.restart_delay
