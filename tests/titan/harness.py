@@ -210,6 +210,9 @@ class Scenario:
     steps: int = 30
     kill_at: int = 12
     restart_delay: float = 3.0
+    # 2: the survivor cannot commit alone, so it waits for the restarted group (a run of a
+    # few steps suffices); 1: it trains on alone and serves the heal mid-training.
+    min_replicas: int = 2
     start_timeout: float = 240.0
     run_timeout: float = 420.0
     extra: list[str] = field(default_factory=list)
@@ -248,11 +251,11 @@ def _env(sc: Scenario, lighthouse: str | None) -> dict[str, str]:
 def _lighthouse_argv(sc: Scenario) -> list[str]:
     timeouts = {"join_timeout_ms": 2000, "heartbeat_timeout_ms": 2000}
     if sc.kind == "rallypoint":
-        return [sc.python, "-m", "rallypoint", "lighthouse", "--min-replicas", "2", "--bind", "127.0.0.1:0",
+        return [sc.python, "-m", "rallypoint", "lighthouse", "--min-replicas", str(sc.min_replicas), "--bind", "127.0.0.1:0",
                 "--http-bind", "off", "--state", ":memory:",
                 *(f"--{k.replace('_', '-')}={v}" for k, v in timeouts.items())]
     code = ("import json, threading\nfrom torchft.coordination import LighthouseServer\n"
-            f"s = LighthouseServer(bind='127.0.0.1:0', min_replicas=2, **{timeouts!r})\n"
+            f"s = LighthouseServer(bind='127.0.0.1:0', min_replicas={sc.min_replicas}, **{timeouts!r})\n"
             "print(json.dumps({'lighthouse': s.address()}), flush=True)\nthreading.Event().wait()\n")
     return [sc.python, "-c", code]
 
@@ -265,7 +268,7 @@ def _group_argv(sc: Scenario, replica: int) -> list[str]:
             str(LAUNCH), "--module", "tests.titan.cpu_config", "--config", "llama3_torchft_debugmodel_cpu",
             "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(replica),
             "--fault_tolerance.group_size", "2", "--fault_tolerance.process_group", "gloo",
-            "--fault_tolerance.min_replica_size", "2", *mode,
+            "--fault_tolerance.min_replica_size", str(sc.min_replicas), *mode,
             "--training.steps", str(sc.steps), "--training.seq_len", "64", "--training.local_batch_size", "2",
             "--checkpoint.enable", "--checkpoint.interval", "1000", "--profiler.no-enable_profiling",
             "--validator.no-enable", "--metrics.log_freq", "1", "--debug.seed", "1",

@@ -171,6 +171,10 @@ def train(argv: list[str]) -> None:
             return ok
 
         manager.should_commit = observed_should_commit  # this instance only, observed not changed
+        if os.environ.get("TITAN_HEAL_ON_TRAINING_THREAD") == "1":
+            # An experiment's knob (never set by the test): rallypoint's opt-in, set before the
+            # first quorum, as TorchTitan cannot pass it.
+            manager.heal_on_training_thread = True
 
     def train_step(*args: Any, **kwargs: Any) -> Any:
         votes.clear()
