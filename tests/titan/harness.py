@@ -73,15 +73,17 @@ def differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-#: The serving group's crash when a peer's heal reads its FSDP2 state from the quorum thread
-#: while its forward pass runs (torchtitan#4754): torchft 0.2.0's synchronous (async quorum) run.
-RACE = "got mixed torch.Tensor and DTensor"
+#: How the serving group dies when a peer's heal reads its FSDP2 state from the quorum thread
+#: while its forward pass runs (torchtitan#4754): FSDP2's state_dict hooks swap the sharded
+#: DTensor parameters back in mid-forward, or the state read is an unsharded parameter
+#: forward has freed. Seen on torchft 0.2.0 and on rallypoint's default quorum-thread heal.
+RACES = ("got mixed torch.Tensor and DTensor", "but its data is not allocated yet")
 
 
 def crash_of(log_text: str) -> str | None:
     """The error line a trainer died with, when it is the heal-serving race (None otherwise)."""
     for line in log_text.splitlines():
-        if RACE in line and "Error" in line:
+        if "Error" in line and any(r in line for r in RACES):
             return line.replace("[rank0]:", "").strip()
     return None
 

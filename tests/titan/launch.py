@@ -60,7 +60,7 @@ def _patch_cpu_device_module() -> None:
             setattr(cpu, name, fn)
     # torch.cpu.current_device() is the string "cpu"; TorchTitan passes it as a barrier's
     # device id (an int, as torch.cuda's is).
-    cpu.current_device = lambda: 0  # type: ignore[assignment]
+    cpu.current_device = lambda: 0  # type: ignore[assignment,return-value]
 
 
 _patch_cpu_device_module()
