@@ -76,8 +76,9 @@ def differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
 #: How the serving group dies when a peer's heal reads its FSDP2 state from the quorum thread
 #: while its forward pass runs (torchtitan#4754): FSDP2's state_dict hooks swap the sharded
 #: DTensor parameters back in mid-forward, or the state read is an unsharded parameter
-#: forward has freed. Seen on torchft 0.2.0 and on rallypoint's default quorum-thread heal.
-RACES = ("got mixed torch.Tensor and DTensor", "but its data is not allocated yet")
+#: forward has freed (its storage already released). Seen on torchft 0.2.0 and on rallypoint's
+#: default quorum-thread heal.
+RACES = ("got mixed torch.Tensor and DTensor", "but its data is not allocated yet", "for storage of size 0")
 
 
 def crash_of(log_text: str) -> str | None:
@@ -100,6 +101,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             text = "no heal"
         else:
             text = f"{r['heal_s']:.2f} s (healed to step {r['healed_step']})"
+        if r.get("note"):
+            text += "; " + r["note"]
         cell[(r["mode"], r["kind"])] = text
     out = ["| run | torchft 0.2.0 | rallypoint |", "|---|---|---|"]
     for m in modes:
