@@ -198,12 +198,11 @@ KNOWN_CRASH = {
 #: Why the groups end with different parameters when the survivor trains on (min_replica_size 1)
 #: and the heal's step commits: seen on torchft 0.2.0 as on rallypoint (whose serving group
 #: crashes there first unless heal_on_training_thread=True, an experiment TorchTitan cannot
-#: configure). The grad norms of the two groups are equal at every step after the heal, so the
-#: heal step's update differed; suspected, not proven: TorchTitan's TorchFTOptimizersContainer
-#: serves a state_dict cached when training starts, whose param_groups carry that step's lr.
-DIVERGES = ("Seen on torchft 0.2.0 too: after a heal whose step commits, the groups' updates differ "
-            "(equal grad norms at every later step); suspected TorchTitan's cached optimizer state_dict "
-            "(TorchFTOptimizersContainer.cache_state_dict, param_groups' lr from the start)")
+#: configure). After the heal both groups vote yes at every step with the same lr (the
+#: launcher's "lr" at each vote) and the same grad norms, yet every parameter differs at the
+#: end: the cause is not established.
+DIVERGES = ("Seen on torchft 0.2.0 too: after a heal while the survivor trains on, both groups commit every step "
+            "with equal lr and grad norms, yet end with different parameters (cause not established)")
 
 
 @needs_titan

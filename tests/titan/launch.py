@@ -181,7 +181,8 @@ def train(argv: list[str]) -> None:
         out = inner(*args, **kwargs)
         committed = ft.manager.current_step() if ft.enabled else trainer.step
         # ok: this step's should_commit answers (none on DiLoCo's inner steps)
-        emit({"step": trainer.step, "committed": committed, "ok": list(votes), "t": time.time()})
+        lr = trainer.optimizers.optimizers[0].param_groups[0]["lr"]  # the lr this step's update used
+        emit({"step": trainer.step, "committed": committed, "ok": list(votes), "lr": float(lr), "t": time.time()})
         return out
 
     trainer.train_step = train_step  # this instance only: TorchTitan's class is untouched
