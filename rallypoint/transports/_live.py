@@ -151,6 +151,7 @@ class LiveEncoded(Encoded):
         self._thawed = False  # the freeze returned: the caller may change its state now
         self._receivers = max(1, receivers)
         self._done = 0  # receivers that said they have everything they need from us
+        self._headers = 0  # header requests served (each receiver asks for one before any data)
         self._precopy = precopy
         self._precopier: threading.Thread | None = None
         #: bytes the background copier copied ahead of the freeze
@@ -221,7 +222,7 @@ class LiveEncoded(Encoded):
                 self._sent_bytes += self._piece_bytes[ti]
                 if self._sent[ti] == self._need[ti]:
                     self._owed -= 1
-                    complete = self._owed == 0 and self._thawed
+                    complete = self.delivered and self._thawed
                     if self._owed == 0:
                         self._cv.notify_all()  # a freeze may be waiting for the delivery
         if complete:
@@ -232,10 +233,21 @@ class LiveEncoded(Encoded):
         if cb is not None:
             cb()
 
+    def header_read(self) -> None:
+        """A receiver asked for the header (what every receive starts with)."""
+        self.started = True
+        with self._cv:
+            self._headers += 1
+
     @property
     def delivered(self) -> bool:
-        """Every piece was sent to every expected receiver, or each said it is done."""
-        return self._owed == 0 or self._done >= self._receivers
+        """Every expected receiver has it: each said it is done, or every piece was sent
+        to each of them and as many asked for the header. The header count matters for a
+        state with no data bytes (no tensors, or only empty ones): it has no piece to send,
+        and without it such a state counted as delivered before anyone asked, so it was
+        withdrawn at the sender's next freeze, every round (HTTP 410 to a joiner slower to
+        ask than the sender's step: the livelock of issue 41)."""
+        return (self._owed == 0 and self._headers >= self._receivers) or self._done >= self._receivers
 
     def delivered_tensor(self, ti: int) -> bool:
         """Tensor ``ti`` was sent to every expected receiver."""
@@ -421,7 +433,7 @@ class LiveEncoded(Encoded):
             logger.info("froze the served state: copied %d bytes not yet delivered (%d more copied ahead of it)",
                         copied, self.precopied)
         with self._cv:
-            complete = self._owed == 0 or self._done >= self._receivers
+            complete = self.delivered
         if complete:
             self._completed()
         return copied

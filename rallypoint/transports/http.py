@@ -253,6 +253,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         enc = served.enc
         if isinstance(enc, LiveEncoded):
             enc.started = True
+            if parts[2] in ("header", "full"):
+                enc.header_read()
         if parts[2] == "header":
             return Reply(200, served=served, pieces=iter([memoryview(enc.header)]), length=len(enc.header))
         if parts[2] == "full":
@@ -329,6 +331,14 @@ class HTTPTransport(CheckpointTransport[Any]):
             return
         enc = served.enc
         if isinstance(enc, LiveEncoded):
+            if enc.frozen and enc.spoiled is None:
+                # Already independent of the caller's memory (frozen by freeze_checkpoint
+                # in an earlier round, or by an optimizer step): it stays served until its
+                # receivers have it, a newer state replaces it, or its expiry. Withdrawing
+                # it here, because this round serves nothing, took it from under a
+                # receiver that had not asked yet.
+                self._expire_later(served)
+                return
             if enc.delivered or enc.spoiled is not None or not enc.started:
                 # Nothing to keep: every receiver has it, or none came (a late one is
                 # told it was withdrawn and heals again): no copy.
