@@ -141,6 +141,7 @@ class LiveEncoded(Encoded):
         self._need_bytes = float(sum(v.nbytes for v in self.views) * max(1, receivers))
         self._first_read: float | None = None
         self._owed = sum(1 for k in self._need if k)  # tensors not yet delivered to everyone
+        self._no_data = self._owed == 0  # no piece to send: delivered once each receiver read the header
         self._summing = [0] * n  # pieces of live memory being checksummed (or copied), per tensor
         self._retired = [False] * n
         self._on_complete = on_complete
@@ -242,12 +243,14 @@ class LiveEncoded(Encoded):
     @property
     def delivered(self) -> bool:
         """Every expected receiver has it: each said it is done, or every piece was sent
-        to each of them and as many asked for the header. The header count matters for a
-        state with no data bytes (no tensors, or only empty ones): it has no piece to send,
-        and without it such a state counted as delivered before anyone asked, so it was
-        withdrawn at the sender's next freeze, every round (HTTP 410 to a joiner slower to
-        ask than the sender's step: the livelock of issue 41)."""
-        return (self._owed == 0 and self._headers >= self._receivers) or self._done >= self._receivers
+        to each of them (a state with no data bytes: each asked for the header). Why the
+        header for that case: with no piece to send, such a state (no tensors, or only
+        empty ones) counted as delivered before anyone asked, so it was withdrawn at the
+        sender's freeze right after its vote, every round: HTTP 410 to a joiner slower to
+        ask than the sender's step (the livelock that kept training-thread heals opt-in)."""
+        if self._done >= self._receivers:
+            return True
+        return self._owed == 0 and (not self._no_data or self._headers >= self._receivers)
 
     def delivered_tensor(self, ti: int) -> bool:
         """Tensor ``ti`` was sent to every expected receiver."""
