@@ -316,7 +316,7 @@ def test_fsdp2_state_heals_with_the_default_arguments_never_read_mid_forward(mes
                 if m.should_commit():
                     opt.step()
             assert m.current_step() >= target, f"{name} stuck at step {m.current_step()}: {m.errored()}"
-            out: dict[str, Any] = {f"p.{n}": p.to_local().detach().clone()  # type: ignore[operator]
+            out: dict[str, Any] = {f"p.{n}": p.to_local().detach().clone()  # type: ignore[attr-defined]
                                    for n, p in model.named_parameters()}
             for i, p in enumerate(model.parameters()):
                 for k, v in opt.state[p].items():

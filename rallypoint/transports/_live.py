@@ -35,12 +35,15 @@ The rules (:class:`LiveEncoded`):
   state: a piece already summed and still being sent fails the receiver's check if it
   changes, and is fetched again from the copy. The transport freezes in
   ``disallow_checkpoint`` (the Manager's ``should_commit``, right before the optimizer
-  may step; a state no receiver has asked for yet is withdrawn instead, never copied)
-  and ``freeze_checkpoint``; an optimizer step pre-hook freezes for any optimizer step
+  may step, for a state served from the quorum thread; a live state no receiver has asked
+  for yet is withdrawn instead, never copied; a state already frozen is left as it is)
+  and ``freeze_checkpoint`` (a state served on the training thread, whose receiver may
+  not have asked yet: always kept); an optimizer step pre-hook freezes for any optimizer step
   taken while something is served live (a DiLoCo sender's inner steps during the sync
   delay; a step taken without the Manager). The frozen copies are served until every
   receiver has its bytes (or says it is done: a striped receiver takes only part from
-  each source), then dropped; at the latest after the transport's timeout.
+  each source; a state with no data bytes: until each asked for its header), then
+  dropped; at the latest after the transport's timeout, or when a newer state replaces it.
 * **Cost in the usual step**: none. A healing replica's allreduce waits for its heal, so
   its sources reach ``should_commit`` only after it has everything and said so.
 * **Caught if it happens anyway**: each live tensor's autograd version counter (which

@@ -323,8 +323,10 @@ class HTTPTransport(CheckpointTransport[Any]):
         ``should_commit``, before the optimizer steps). Live: freeze the served state
         (copy what is not yet delivered; return once no read of live memory is in
         flight) and go on serving the frozen state until the receivers have it, for at
-        most the timeout. Copy: stop offering it, waiting (up to the timeout) for the
-        streams in flight, then abort those still running."""
+        most the timeout; a live state no receiver asked for yet is withdrawn instead
+        (nothing copied), and a state already frozen (``freeze_checkpoint`` in an earlier
+        round) is left to its receivers and its expiry. Copy: stop offering it, waiting
+        (up to the timeout) for the streams in flight, then abort those still running."""
         with self._lock:
             served = self._served
         if served is None:
