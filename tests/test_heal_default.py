@@ -223,6 +223,8 @@ def test_a_joiner_slower_to_ask_than_the_senders_step_heals_on_the_training_thre
     lh = lighthouse(min_replicas=1, join_timeout_ms=300)
     target = 12
 
+    joined = threading.Event()  # the sender waits at step 4 for the joiner's Manager: it heals from a live sender
+
     def run(name: str, slow: bool, started: threading.Event | None) -> tuple[int, bool, int]:
         def sd() -> dict[str, Any]:
             if slow:
@@ -230,12 +232,16 @@ def test_a_joiner_slower_to_ask_than_the_senders_step_heals_on_the_training_thre
             return {"meta": {"name": "x"}}
 
         m, pg = _manager(lh, name, sd, lambda s: None, heal_on_training_thread=True)
+        if started is None:
+            joined.set()
         refused = 0
         try:
             deadline = time.monotonic() + 60
             while m.current_step() < target and time.monotonic() < deadline:
                 if started is not None and m.current_step() >= 3:
                     started.set()
+                    if m.current_step() >= 4:
+                        assert joined.wait(60), "the joiner never started"
                 m.start_quorum()
                 m.allreduce(torch.ones(1)).wait()
                 m.should_commit()
@@ -253,7 +259,7 @@ def test_a_joiner_slower_to_ask_than_the_senders_step_heals_on_the_training_thre
         b = ex.submit(run, "ll_b", True, None)
         (sa, ha, _), (sb, hb, refused) = a.result(timeout=90), b.result(timeout=90)
     assert sa >= target and sb >= target, (sa, sb, refused)
-    assert hb and not ha
+    assert hb and not ha, (ha, hb)
     assert refused == 0, f"{refused} heals refused with HTTP 410"
 
 
@@ -271,6 +277,7 @@ def test_fsdp2_state_heals_with_the_default_arguments_never_read_mid_forward(mes
     lh = lighthouse(min_replicas=1, join_timeout_ms=300)
     target = 8
     bad: list[str] = []
+    joined = threading.Event()  # the sender waits at step 4 for the joiner's Manager: it heals from a live sender
 
     def replica(name: str, seed: int, started: threading.Event | None) -> dict[str, Any]:
         torch.manual_seed(seed)
@@ -301,11 +308,15 @@ def test_fsdp2_state_heals_with_the_default_arguments_never_read_mid_forward(mes
 
         m, pg = _manager(lh, name, None, None)  # torchft's arguments only
         m.set_state_dict_fns(load, save)
+        if started is None:
+            joined.set()
         try:
             deadline = time.monotonic() + 60
             while m.current_step() < target and time.monotonic() < deadline:
                 if started is not None and m.current_step() >= 3:
                     started.set()
+                    if m.current_step() >= 4:
+                        assert joined.wait(60), "the late replica never started"
                 m.start_quorum()
                 g = torch.Generator().manual_seed(m.current_step())
                 x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)

@@ -33,7 +33,7 @@ the quorum thread mid-forward crashed the serving process). The receiver fetches
 too, into its current state, and applies it before the vote.
 
 The frozen state stays served until its receivers have it (each says so, or every piece
-was sent to each: a state with no data bytes, once each asked for its header), a newer
+was sent to each; a state with no data bytes: once each said so), a newer
 state replaces it (the sender serves again; a receiver still on the older step is told
 409 and heals again), or the heal timeout passes; never withdrawn under a receiver that
 has not asked yet, whatever the sender does meanwhile (its next rounds'

@@ -42,7 +42,7 @@ The rules (:class:`LiveEncoded`):
   taken while something is served live (a DiLoCo sender's inner steps during the sync
   delay; a step taken without the Manager). The frozen copies are served until every
   receiver has its bytes (or says it is done: a striped receiver takes only part from
-  each source; a state with no data bytes: until each asked for its header), then
+  each source; a state with no data bytes: until each said so), then
   dropped; at the latest after the transport's timeout, or when a newer state replaces it.
 * **Cost in the usual step**: none. A healing replica's allreduce waits for its heal, so
   its sources reach ``should_commit`` only after it has everything and said so.
@@ -144,7 +144,7 @@ class LiveEncoded(Encoded):
         self._need_bytes = float(sum(v.nbytes for v in self.views) * max(1, receivers))
         self._first_read: float | None = None
         self._owed = sum(1 for k in self._need if k)  # tensors not yet delivered to everyone
-        self._no_data = self._owed == 0  # no piece to send: delivered once each receiver read the header
+        self._no_data = self._owed == 0  # no piece to send: delivered once each receiver said done
         self._summing = [0] * n  # pieces of live memory being checksummed (or copied), per tensor
         self._retired = [False] * n
         self._on_complete = on_complete
@@ -155,7 +155,6 @@ class LiveEncoded(Encoded):
         self._thawed = False  # the freeze returned: the caller may change its state now
         self._receivers = max(1, receivers)
         self._done = 0  # receivers that said they have everything they need from us
-        self._headers = 0  # header requests served (each receiver asks for one before any data)
         self._precopy = precopy
         self._precopier: threading.Thread | None = None
         #: bytes the background copier copied ahead of the freeze
@@ -237,23 +236,18 @@ class LiveEncoded(Encoded):
         if cb is not None:
             cb()
 
-    def header_read(self) -> None:
-        """A receiver asked for the header (what every receive starts with)."""
-        self.started = True
-        with self._cv:
-            self._headers += 1
-
     @property
     def delivered(self) -> bool:
         """Every expected receiver has it: each said it is done, or every piece was sent
-        to each of them (a state with no data bytes: each asked for the header). Why the
-        header for that case: with no piece to send, such a state (no tensors, or only
-        empty ones) counted as delivered before anyone asked, so it was withdrawn at the
-        sender's freeze right after its vote, every round: HTTP 410 to a joiner slower to
-        ask than the sender's step (the livelock that kept training-thread heals opt-in)."""
+        to each of them. A state with no data bytes (no tensors, or only empty ones) has
+        no piece to send: it is delivered only when each receiver said done (or it
+        expires). Why: counted by its pieces, it was delivered before anyone asked, so it
+        was withdrawn at the sender's freeze right after its vote, every round: HTTP 410
+        to a joiner slower to ask than the sender's step (the livelock that kept
+        training-thread heals opt-in)."""
         if self._done >= self._receivers:
             return True
-        return self._owed == 0 and (not self._no_data or self._headers >= self._receivers)
+        return self._owed == 0 and not self._no_data
 
     def delivered_tensor(self, ti: int) -> bool:
         """Tensor ``ti`` was sent to every expected receiver."""

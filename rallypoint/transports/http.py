@@ -253,8 +253,6 @@ class HTTPTransport(CheckpointTransport[Any]):
         enc = served.enc
         if isinstance(enc, LiveEncoded):
             enc.started = True
-            if parts[2] in ("header", "full"):
-                enc.header_read()
         if parts[2] == "header":
             return Reply(200, served=served, pieces=iter([memoryview(enc.header)]), length=len(enc.header))
         if parts[2] == "full":
