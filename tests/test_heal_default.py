@@ -351,3 +351,41 @@ def test_fsdp2_state_heals_with_the_default_arguments_never_read_mid_forward(mes
     assert sorted(sa) == sorted(sb) and len(sa) >= 8
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+def test_a_default_manager_reads_its_state_once_per_registration_to_decide(mesh1: Any, lighthouse: Any,
+                                                                           monkeypatch: Any) -> None:
+    """No per-step cost: the state-dict callbacks are called once, on the training thread,
+    at the first ``start_quorum`` after a registration; plain state keeps the quorum thread,
+    a registration that adds DTensors moves heals to the training thread."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    monkeypatch.setenv("RALLYPOINT_PG_HOST", "127.0.0.1")
+    lh = lighthouse(min_replicas=1, join_timeout_ms=100)
+    calls: list[str] = []
+
+    def plain() -> dict[str, Any]:
+        calls.append(threading.current_thread().name)
+        return {"w": torch.ones(3)}
+
+    m, pg = _manager(lh, "once", plain, lambda s: None)
+    try:
+        assert m.heal_on_training_thread is False  # undecided: nothing read yet
+        for _ in range(5):
+            m.start_quorum()
+            m.allreduce(torch.ones(1)).wait()
+            assert m.should_commit()
+        assert calls == [threading.current_thread().name] and m.heal_on_training_thread is False
+        dt = distribute_tensor(torch.ones(4), mesh1, [Shard(0)])
+        m.register_state_dict_fn("fsdp", lambda s: None, lambda: {"p": dt})
+        for _ in range(3):
+            m.start_quorum()
+            m.allreduce(torch.ones(1)).wait()
+            assert m.should_commit()
+        assert len(calls) == 2 and m.heal_on_training_thread is True
+        m.heal_on_training_thread = False  # an explicit setting wins
+        m.start_quorum()
+        assert m.should_commit() and m.heal_on_training_thread is False and len(calls) == 2
+    finally:
+        m.shutdown(wait=False)
+        pg.shutdown()
