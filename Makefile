@@ -60,8 +60,8 @@ $(NEWEST_STAMP): $(NPY) pyproject.toml
 	@touch $@
 
 # torchft-nightly's own integration tests (manager_integ_test.py, local_sgd_integ_test.py,
-# diloco_regression_test.py, reconfigure_test.py), unchanged, against rallypoint through an
-# alias package (tests/test_torchft_integ.py), on the newest torch: its tests need torch's
+# diloco_regression_test.py, reconfigure_test.py), unchanged, against rallypoint through its
+# torchft compatibility package (compat/torchft), on the newest torch: its tests need torch's
 # native process-group reconfigure (torch >= 2.14).
 torchft-nightly-check: $(NEWEST_STAMP) $(VENV_NEWEST)/$(NIGHTLY_MARK)
 	RALLYPOINT_TORCHFT_NIGHTLY_CHECK=1 $(NPY) -m pytest tests/test_torchft_nightly_integ.py $(PYTEST_ARGS)

@@ -1,8 +1,8 @@
 """torchft 0.2.0's own integration tests, unchanged, run against rallypoint (issue 12).
 
-``tests/torchft_site.py`` builds a folder where ``import torchft`` resolves to the alias
-package ``tests/torchft_alias/torchft`` (a few re-exports of rallypoint's public classes)
-next to the wheel's test files copied byte for byte, and the DiLoCo regression fixtures
+``tests/torchft_site.py`` builds a folder where ``import torchft`` resolves to
+rallypoint's torchft compatibility package (``compat/torchft``, pip-installed as a user
+installs it) next to the wheel's test files copied byte for byte, and the DiLoCo regression fixtures
 recorded from torchft 0.2.0 itself (``tools/record_torchft_fixtures.py``). Each test file
 then runs in a pytest of its own (a subprocess: torchft's tests bind fixed manager ports
 19530+, so one file's leftovers must not reach the next), and every test must pass,

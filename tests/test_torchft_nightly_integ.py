@@ -3,8 +3,8 @@ against rallypoint: ``manager_integ_test.py`` (with its native-process-group cas
 ``local_sgd_integ_test.py``, ``diloco_regression_test.py`` and ``reconfigure_test.py``.
 
 As for torchft 0.2.0's (``tests/test_torchft_integ.py``): ``tests/torchft_site.py`` builds a
-folder where ``import torchft`` resolves to the alias package (``tests/torchft_alias`` with
-``tests/torchft_alias_nightly`` over it: re-exports of rallypoint's public names) next to
+folder where ``import torchft`` resolves to rallypoint's
+torchft compatibility package (``compat/torchft``, pip-installed as a user installs it) next to
 the nightly wheel's test files copied byte for byte, and its DiLoCo regression fixtures
 recorded from torchft-nightly itself (``tools/record_torchft_fixtures.py --wheel nightly``);
 each file runs in a pytest of its own and every test must pass, except those in

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -27,32 +26,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
 import torchft_parity as parity  # noqa: E402
+from torchft_site import install_compat  # noqa: E402
 
-PIP_TIMEOUT = 300
 RUN_TIMEOUT = 180
-
-
-def _pip_install(target: Path) -> None:
-    """``pip install --no-deps --target`` the compat package (with build isolation, else
-    with the venv's setuptools), from a clean copy of its sources: setuptools leaves
-    ``build/`` beside the sources, whose stale files a later build would package."""
-    src = target.parent / "src"
-    shutil.copytree(REPO / "compat" / "torchft", src,
-                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    errors = []
-    for extra in ([], ["--no-build-isolation"]):
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *extra, str(src)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT, cwd=target.parent)
-        if res.returncode == 0:
-            return
-        errors.append(f"{cmd}:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
-    pytest.fail("installing compat/torchft failed:\n" + "\n".join(errors))
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("compat") / "site"
-    _pip_install(target)
+    try:
+        install_compat(target)
+    except RuntimeError as e:
+        pytest.fail(str(e))
     assert (target / "torchft" / "__init__.py").is_file()
     assert list(target.glob("rallypoint_torchft_compat-0.1.0.dist-info")), sorted(p.name for p in target.iterdir())
     assert not (target / "rallypoint").exists(), "--no-deps: rallypoint itself is not copied"

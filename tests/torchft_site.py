@@ -1,6 +1,6 @@
 """Build a folder where ``import torchft`` finds a torchft wheel's own integration tests,
-unchanged, next to either rallypoint's alias modules or torchft's real ones, and run
-one of those test files there.
+unchanged, next to either rallypoint's torchft compatibility package or torchft's real
+modules, and run one of those test files there.
 
 Two wheels (``WHEELS``): torchft 0.2.0 (installed in the venv by the test extras) and
 torchft-nightly 2026.10.26 (the 0.3 API; unpacked beside the venv by ``make install`` /
@@ -8,9 +8,10 @@ torchft-nightly 2026.10.26 (the 0.3 API; unpacked beside the venv by ``make inst
 installs the same ``torchft`` package; or where ``RALLYPOINT_TORCHFT_NIGHTLY`` points: the
 folder that contains ``torchft/``).
 
-``build_site(dest, wheel, alias=True)``: ``dest/torchft/`` holds the re-exports of the
-wheel's alias folders (rallypoint's classes under torchft's module paths: the 0.2.0 ones,
-then the nightly's additions over them) plus the wheel's test files copied byte for byte;
+``build_site(dest, wheel, alias=True)``: ``dest`` is rallypoint's torchft compatibility
+package (``compat/torchft``, distribution ``rallypoint-torchft-compat``) installed the way a
+user installs it in place of torchft (:func:`install_compat`: ``pip install --no-deps
+--target``), with the wheel's test files copied byte for byte into its ``torchft/``;
 ``dest/test_fixtures/`` holds the DiLoCo regression fixtures recorded from that wheel
 itself. ``alias=False`` copies the whole torchft package instead (used to record the
 fixtures: ``tools/record_torchft_fixtures.py``).
@@ -38,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ALIAS = HERE / "torchft_alias" / "torchft"
-ALIAS_NIGHTLY = HERE / "torchft_alias_nightly" / "torchft"
+COMPAT = HERE.parent / "compat" / "torchft"
+PIP_TIMEOUT_S = 300
 
 #: The environment variable naming the folder that contains torchft-nightly's ``torchft/``.
 NIGHTLY_ENV = "RALLYPOINT_TORCHFT_NIGHTLY"
@@ -73,8 +74,6 @@ class Wheel:
     version: str
     #: The wheel's files the integration tests consist of (relative to the torchft package).
     test_files: tuple[str, ...]
-    #: Alias folders copied in order (a later one's files replace an earlier one's).
-    aliases: tuple[Path, ...]
     fixtures: Path
     find: Callable[[], Path | None]
     missing: str
@@ -105,7 +104,6 @@ TORCHFT_020 = Wheel(
     version="0.2.0",
     test_files=("manager_integ_test.py", "local_sgd_integ_test.py", "diloco_regression_test.py",
                 "_test/diloco_trainer.py"),
-    aliases=(ALIAS,),
     fixtures=HERE / "fixtures" / "torchft_0.2.0",
     find=_installed_torchft,
     missing="torchft 0.2.0 is not installed (make install installs it with the test extras)",
@@ -116,7 +114,6 @@ TORCHFT_NIGHTLY = Wheel(
     version="2026.10.26",
     test_files=("manager_integ_test.py", "local_sgd_integ_test.py", "diloco_regression_test.py",
                 "reconfigure_test.py", "_test/diloco_trainer.py"),
-    aliases=(ALIAS, ALIAS_NIGHTLY),
     fixtures=HERE / "fixtures" / "torchft_nightly_2026.10.26",
     find=_nightly_torchft,
     missing=(f"torchft-nightly is not unpacked at {nightly_root()} (`make install` / `make test-newest` put it "
@@ -139,16 +136,35 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def install_compat(target: Path) -> Path:
+    """``pip install --no-deps --target target`` rallypoint's torchft compatibility package
+    (with build isolation, else with the venv's own setuptools), from a clean copy of its
+    sources (setuptools leaves ``build/`` beside them, whose stale files a later build would
+    package); returns ``target``. RuntimeError with pip's output when both ways fail."""
+    src = target.parent / f"{target.name}-src"
+    shutil.copytree(COMPAT, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    errors = []
+    try:
+        for extra in ([], ["--no-build-isolation"]):
+            cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *extra,
+                   str(src)]
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, cwd=target.parent)
+            if res.returncode == 0:
+                return target
+            errors.append(f"{cmd}:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    raise RuntimeError("installing compat/torchft failed:\n" + "\n".join(errors))
+
+
 def build_site(dest: Path, alias: bool = True, wheel: Wheel = TORCHFT_020) -> Path:
     """Populate ``dest`` and return it (see the module docstring)."""
     src = wheel.dir()
     pkg = dest / "torchft"
     if alias:
-        pkg.mkdir(parents=True)
-        for folder in wheel.aliases:
-            for f in sorted(folder.glob("*.py")):
-                shutil.copy2(f, pkg / f.name)
+        install_compat(dest)
         for rel in wheel.test_files:
+            assert not (pkg / rel).exists(), f"the compat package must not ship torchft's test file {rel}"
             (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / rel, pkg / rel)
             assert sha256(pkg / rel) == sha256(src / rel)

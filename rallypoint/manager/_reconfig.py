@@ -180,6 +180,7 @@ class Configurer:
         self.replica_id = ""
         self.last_action = ""  # "configure" / "reconfigure": what the last new quorum used
         self.applied = 0  # how many times the group was rebuilt (once per new quorum id)
+        self._accepts: tuple[Any, bool] | None = None  # (the client's _quorum function, takes a handle)
 
     def set_replica(self, replica_id: str, hostname: str | None = None) -> None:
         """This rank's replica id, passed on with ``set_rank_info`` to groups that take it;
@@ -199,7 +200,12 @@ class Configurer:
 
     def quorum_kwargs(self, quorum: Callable[..., Any]) -> dict[str, Any]:
         """``reconfigure_handle=...`` for the quorum call, when there is one and the client takes it."""
-        if not self.kind.reconfigure or not quorum_accepts_handle(quorum):
+        if not self.kind.reconfigure:
+            return {}
+        func = getattr(quorum, "__func__", quorum)  # inspected once per client class, not every step
+        if self._accepts is None or self._accepts[0] is not func:
+            self._accepts = (func, quorum_accepts_handle(quorum))
+        if not self._accepts[1]:
             return {}
         return {"reconfigure_handle": self.handle()}
 

@@ -1,1 +1,0 @@
-from rallypoint.integrations.data import DistributedSampler  # noqa: F401

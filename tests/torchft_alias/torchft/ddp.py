@@ -1,1 +1,0 @@
-from rallypoint.integrations.ddp import DistributedDataParallel  # noqa: F401

@@ -1,1 +1,0 @@
-from rallypoint.integrations.local_sgd import DiLoCo, LocalSGD  # noqa: F401

@@ -1,1 +1,0 @@
-from rallypoint.manager.manager import Manager, WorldSizeMode  # noqa: F401

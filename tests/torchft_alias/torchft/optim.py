@@ -1,1 +1,0 @@
-from rallypoint.integrations.optim import OptimizerWrapper  # noqa: F401
