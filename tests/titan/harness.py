@@ -68,6 +68,21 @@ def params_of(events: list[dict[str, Any]]) -> dict[str, str] | None:
     return None
 
 
+def heal_lr_mismatch(survivor: list[dict[str, Any]], restarted: list[dict[str, Any]]) -> str | None:
+    """Whether the restarted group's first committed step updated with another lr than the
+    survivor's same step (a description of both, or None: same lr, or no such step)."""
+    healed = first_commit(restarted)
+    if healed is None or healed.get("lr") is None:
+        return None
+    for ev in survivor:
+        if ev.get("step") == healed["step"] and ev.get("lr") is not None:
+            if ev["lr"] != healed["lr"]:
+                return (f"at step {healed['step']} the restarted group's update used lr {healed['lr']:.6g}, "
+                        f"the survivor's lr {ev['lr']:.6g}")
+            return None
+    return None
+
+
 def differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
     """Parameter names whose hashes differ or that only one side has, sorted."""
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
@@ -234,6 +249,7 @@ class Outcome:
     healed_step: int | None
     params: list[dict[str, str] | None]
     logs: list[Path]
+    lr_mismatch: str | None = None  # heal_lr_mismatch of the survivor and the restarted group
     error: str | None = None  # the run never reached the kill (why)
 
     def row(self) -> dict[str, Any]:
@@ -328,7 +344,8 @@ def run_scenario(sc: Scenario) -> Outcome:
                        heal_s=heal_seconds(kill_t, g1b.events),
                        healed_step=None if healed is None else int(healed["step"]),
                        params=[params_of(g0.events), params_of(g1b.events)],
-                       logs=[g0.log, g1.log, g1b.log, lh.log])
+                       logs=[g0.log, g1.log, g1b.log, lh.log],
+                       lr_mismatch=heal_lr_mismatch(g0.events, g1b.events))
     finally:
         for r in reversed(runs):
             r.close()

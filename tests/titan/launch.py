@@ -161,6 +161,9 @@ def train(argv: list[str]) -> None:
     inner = trainer.train_step
     ft = trainer.ft_manager
     votes: list[bool] = []
+    #: the lr each update of this step used: read right after should_commit, where a heal's
+    #: state (optimizer and lr scheduler included) has been applied and the update follows
+    used_lr: list[float] = []
     if ft.enabled:
         manager = ft.manager
         should_commit = manager.should_commit
@@ -168,21 +171,20 @@ def train(argv: list[str]) -> None:
         def observed_should_commit(*args: Any, **kwargs: Any) -> bool:
             ok = should_commit(*args, **kwargs)
             votes.append(bool(ok))
+            used_lr.append(float(trainer.optimizers.optimizers[0].param_groups[0]["lr"]))
             return ok
 
         manager.should_commit = observed_should_commit  # this instance only, observed not changed
-        if os.environ.get("TITAN_HEAL_ON_TRAINING_THREAD") == "1":
-            # An experiment's knob (never set by the test): rallypoint's opt-in, set before the
-            # first quorum, as TorchTitan cannot pass it.
-            manager.heal_on_training_thread = True
 
     def train_step(*args: Any, **kwargs: Any) -> Any:
         votes.clear()
+        used_lr.clear()
         out = inner(*args, **kwargs)
         committed = ft.manager.current_step() if ft.enabled else trainer.step
-        # ok: this step's should_commit answers (none on DiLoCo's inner steps)
-        lr = trainer.optimizers.optimizers[0].param_groups[0]["lr"]  # the lr this step's update used
-        emit({"step": trainer.step, "committed": committed, "ok": list(votes), "lr": float(lr), "t": time.time()})
+        # ok: this step's should_commit answers (none on DiLoCo's inner steps); lr: the lr
+        # its update used (None where there was no vote)
+        emit({"step": trainer.step, "committed": committed, "ok": list(votes),
+              "lr": used_lr[-1] if used_lr else None, "t": time.time()})
         return out
 
     trainer.train_step = train_step  # this instance only: TorchTitan's class is untouched
