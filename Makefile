@@ -9,7 +9,7 @@ DOCS_STAMP := $(VENV)/.rallypoint-docs-installed
 PYTEST_ARGS ?=
 
 .PHONY: test typecheck browser etcd demo demo-lighthouse proto bench install clean wheel-check docs \
-	gpu-check gpu-wheels test-newest torchft-nightly-check
+	gpu-check gpu-wheels test-newest torchft-nightly-check torchtitan-check
 
 # torchft-nightly (the 0.3 API) installs the same `torchft` package as torchft 0.2.0, so it is
 # unpacked beside a venv, not into it (`pip install --no-deps --target VENV/torchft-nightly`):
@@ -65,6 +65,26 @@ $(NEWEST_STAMP): $(NPY) pyproject.toml
 # native process-group reconfigure (torch >= 2.14).
 torchft-nightly-check: $(NEWEST_STAMP) $(VENV_NEWEST)/$(NIGHTLY_MARK)
 	RALLYPOINT_TORCHFT_NIGHTLY_CHECK=1 $(NPY) -m pytest tests/test_torchft_nightly_integ.py $(PYTEST_ARGS)
+
+# TorchTitan's fault-tolerant training (torchtitan 0.3.0), unchanged, on rallypoint through the
+# torchft compatibility package and on torchft 0.2.0 (tests/test_torchtitan.py), on CPU.
+# .venv-titan is layered over .venv-newest (a .pth file: its torch 2.14.1, rallypoint, torchft
+# 0.2.0) and gets only torchtitan and what its fault-tolerance path imports
+# (tests/titan/requirements.txt, pinned, `--no-deps`: pip never touches torch); ~320 MB, ~15 s.
+VENV_TITAN ?= .venv-titan
+TPY := $(VENV_TITAN)/bin/python
+TITAN_STAMP := $(VENV_TITAN)/.rallypoint-installed
+
+$(TITAN_STAMP): $(NEWEST_STAMP) tests/titan/requirements.txt
+	rm -rf $(VENV_TITAN)
+	$(PY) -m venv --without-pip $(VENV_TITAN)
+	$(NPY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+	  >"$$($(TPY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_newest_venv.pth"
+	$(TPY) -m pip install --quiet --no-deps -r tests/titan/requirements.txt
+	@touch $@
+
+torchtitan-check: $(TITAN_STAMP)
+	RALLYPOINT_TORCHTITAN_CHECK=1 $(TPY) -m pytest tests/test_torchtitan.py -p no:cacheprovider $(PYTEST_ARGS)
 
 # The dashboard's test runs it in Debian's headless chromium: installed here when missing and
 # apt can (root, a Debian package source); otherwise that one test skips and says why.

@@ -24,7 +24,9 @@ so background load on the machine falls on both alike):
    and heartbeat every 100 ms; one is SIGKILLed; time from the kill to both survivors
    holding a quorum without it. Variants: torchft, ours without the liveness stream (both
    wait for heartbeat expiry), ours with ``LivenessStream`` (crash seen when the
-   connection drops). Median of several repetitions.
+   connection drops; its replicas use rallypoint's client, since a replica id is bound to
+   the session that registered it and torchft's client sends none). Median of several
+   repetitions.
 3. Heartbeats/s: K threads (own clients) calling heartbeat() back to back for a while.
 
 Output: a table, then ONE JSON line {"bench": "lighthouse", "results": ..., "ratios": ...}
@@ -38,12 +40,9 @@ import argparse
 import json
 import os
 import platform
-import resource
 import signal
 import sys
-import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,194 +58,10 @@ THREADS_PER_PROC = 128
 
 # =============================================================================== children
 def _child_argv(mode: str, cfg: dict) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), mode, json.dumps({**cfg, "parent": os.getpid()})]
-
-
-def _out(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-def _cpu_seconds() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def serve_main(cfg: dict) -> None:
-    """A lighthouse in its own process; stdin commands: cpu, or EOF to stop."""
-    impl = cfg["impl"]
-    kwargs = dict(
-        min_replicas=cfg["min_replicas"],
-        join_timeout_ms=cfg["join_timeout_ms"],
-        heartbeat_timeout_ms=cfg["heartbeat_timeout_ms"],
-    )
-    if impl == "torchft":
-        native = _util.load_torchft_native()
-        server = native.LighthouseServer(bind="127.0.0.1:0", **kwargs)
-    else:
-        from rallypoint.lighthouse.server import LighthouseServer
-
-        server = LighthouseServer(bind="127.0.0.1:0", **kwargs)
-    # torchft's address() names the host; both bound loopback, so dial 127.0.0.1.
-    port = int(server.address().rsplit(":", 1)[1])
-    _out({"addr": f"http://127.0.0.1:{port}", "pid": os.getpid(), "advertised": server.address()})
-    try:
-        for line in sys.stdin:
-            cmd = json.loads(line)
-            if cmd.get("cmd") == "cpu":
-                _out({"cpu": _cpu_seconds()})
-    finally:
-        server.shutdown()
-
-
-def clients_main(cfg: dict) -> None:
-    """Worker: one thread (and one LighthouseClient) per replica id; each round releases
-    every thread at the monotonic instant t0 given by the parent."""
-    native = _util.load_torchft_native()
-    threading.stack_size(512 * 1024)
-    addr = cfg["addr"]
-    ids: list[str] = cfg["ids"]
-    call_timeout = timedelta(seconds=cfg["timeout_s"])
-    n = len(ids)
-    clients: list[Any] = [None] * n
-    results: list[Any] = [None] * n
-    cmd: dict = {}
-    go = threading.Barrier(n + 1)
-    done = threading.Barrier(n + 1)
-    init_errors: list[str] = []
-
-    def run(i: int) -> None:
-        rid = ids[i]
-        try:
-            clients[i] = native.LighthouseClient(addr, connect_timeout=timedelta(seconds=30))
-        except Exception as e:
-            init_errors.append(f"{rid}: {e}")
-        go.wait()
-        client = clients[i]
-        while True:
-            if cmd["cmd"] == "quit":
-                return
-            try:
-                results[i] = one(i, rid, client, cmd)
-            except BaseException as e:  # never leave the others stuck at the barrier
-                results[i] = (0, f"{type(e).__name__}: {e}") if cmd["cmd"] == "hammer" else (
-                    time.monotonic(), time.monotonic(), None, None, f"{type(e).__name__}: {e}")
-            done.wait()
-            go.wait()
-
-    def one(i: int, rid: str, client: Any, cmd: dict) -> tuple:
-        t0 = cmd["t0"]
-        d = t0 - time.monotonic()
-        if d > 0:
-            time.sleep(d)
-        if cmd["cmd"] == "hammer":
-            count, err = 0, None
-            end_at = t0 + cmd["duration"]
-            try:
-                while time.monotonic() < end_at:
-                    client.heartbeat(rid)
-                    count += 1
-            except Exception as e:
-                err = f"{type(e).__name__}: {e}"
-            return (count, err)
-        start = time.monotonic()
-        qid = size = err = None
-        try:
-            if cmd["op"] == "quorum":
-                q = client.quorum(
-                    replica_id=rid,
-                    timeout=call_timeout,
-                    address=f"127.0.0.1:{20000 + i}",
-                    store_address=f"127.0.0.1:{40000 + i}",
-                    step=cmd["step"],
-                    world_size=1,
-                )
-                qid, size = q.quorum_id, len(q.participants)
-            else:
-                client.heartbeat(rid)
-        except Exception as e:
-            err = f"{type(e).__name__}: {e}"
-        return (start, time.monotonic(), qid, size, err)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    # Wait for every client to connect (they do it in parallel).
-    deadline = time.monotonic() + 60
-    while sum(c is not None for c in clients) + len(init_errors) < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    _out({"ready": True, "errors": init_errors[:3], "n_errors": len(init_errors)})
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["cmd"] == "quit":
-            break
-        go.wait()
-        done.wait()
-        if cmd["cmd"] == "hammer":
-            errs = [r[1] for r in results if r[1]]
-            _out({"cpu": _cpu_seconds(), "count": sum(r[0] for r in results), "n_errors": len(errs), "errors": errs[:3]})
-        else:
-            errs = [r[4] for r in results if r[4]]
-            _out(
-                {
-                    "cpu": _cpu_seconds(),
-                    "max_start": max(r[0] for r in results),
-                    "max_end": max(r[1] for r in results),
-                    "min_end": min(r[1] for r in results),
-                    "qids": sorted({r[2] for r in results if r[2] is not None}),
-                    "sizes": sorted({r[3] for r in results if r[3] is not None}),
-                    "n_errors": len(errs),
-                    "errors": errs[:3],
-                }
-            )
-    cmd = {"cmd": "quit"}
-    try:
-        go.wait(timeout=5)
-    except threading.BrokenBarrierError:
-        pass
-    os._exit(0)  # don't wait on the Rust runtimes' teardown
-
-
-def replica_main(cfg: dict) -> None:
-    """A replica for the kill scenario: heartbeat every 100 ms, optionally hold the
-    liveness stream, and ask for quorums in a loop, printing each one it gets."""
-    native = _util.load_torchft_native()
-    addr, rid = cfg["addr"], cfg["replica_id"]
-    client = native.LighthouseClient(addr, connect_timeout=timedelta(seconds=30))
-    stream = None
-    if cfg.get("stream"):
-        from rallypoint.lighthouse.client import LivenessStream
-
-        stream = LivenessStream(addr, rid)
-        if not stream.start(timeout=10):
-            _out({"error": "liveness stream not welcomed within 10s"})
-
-    def heartbeats() -> None:
-        while True:
-            try:
-                client.heartbeat(rid)
-            except Exception:
-                pass
-            time.sleep(0.1)
-
-    threading.Thread(target=heartbeats, daemon=True).start()
-    step = 0
-    while True:
-        try:
-            q = client.quorum(
-                replica_id=rid,
-                timeout=timedelta(seconds=60),
-                address=f"127.0.0.1:{20000 + step % 1000}",
-                store_address="127.0.0.1:1",
-                step=step,
-                world_size=1,
-            )
-            _out({"t": time.time(), "qid": q.quorum_id, "members": [p.replica_id for p in q.participants]})
-            step += 1
-        except Exception as e:
-            _out({"t": time.time(), "error": f"{type(e).__name__}: {e}"})
-            time.sleep(0.05)
-        time.sleep(cfg.get("step_s", 0.002))
+    """A child process of this benchmark (bench/_lighthouse_children.py: a lighthouse, a
+    client worker, a replica) told its mode and settings."""
+    return [sys.executable, os.path.join(HERE, "_lighthouse_children.py"), mode,
+            json.dumps({**cfg, "parent": os.getpid()})]
 
 
 # =============================================================================== parent
@@ -781,11 +596,6 @@ def _clean(o: Any) -> Any:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] in ("--_serve", "--_clients", "--_replica"):
-        mode, cfg = sys.argv[1], json.loads(sys.argv[2])
-        _util.exit_with_parent(cfg.get("parent"))
-        {"--_serve": serve_main, "--_clients": clients_main, "--_replica": replica_main}[mode](cfg)
-        sys.exit(0)
     # SIGTERM unwinds like Ctrl-C, so every finally: block kills what it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

@@ -151,13 +151,13 @@ needs_handles = pytest.mark.skipif(not _client_takes_handles(),
                                    reason="the ManagerClient has no reconfigure_handle yet (branch `handles`)")
 
 
-def _manager(lh: Any, pg: Any, name: str, min_size: int) -> Any:
+def _manager(lh: Any, pg: Any, name: str, min_size: int, training_thread: bool | None = None) -> Any:
     from rallypoint.manager import Manager
 
     return Manager(pg, lambda sd: None, dict, min_replica_size=min_size, rank=0, world_size=1,
                    hostname="127.0.0.1", store_addr="127.0.0.1", lighthouse_addr=lh.address(),
                    replica_id=name, timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=15),
-                   connect_timeout=timedelta(seconds=10), init_sync=False)
+                   connect_timeout=timedelta(seconds=10), init_sync=False, heal_on_training_thread=training_thread)
 
 
 def _step(m: Any, value: float) -> tuple[bool, float, str, int, int]:
@@ -188,8 +188,11 @@ def pg_host(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_handles
-def test_managers_reconfigure_from_handles_through_a_shrink_and_a_grow(lighthouse: Any,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("training_thread", [None, True], ids=["default", "training_thread"])
+def test_managers_reconfigure_from_handles_through_a_shrink_and_a_grow(lighthouse: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                     training_thread: bool | None) -> None:
+    """The grow's joiner heals a state with no data bytes; on the training thread the
+    sender's freeze once withdrew it before the joiner asked (HTTP 410 every round)."""
     monkeypatch.delenv("RALLYPOINT_PG_HOST", raising=False)  # the Manager's hostname is the default
     from rallypoint.process_groups import ProcessGroupGloo
 
@@ -198,7 +201,7 @@ def test_managers_reconfigure_from_handles_through_a_shrink_and_a_grow(lighthous
     ms: list[Any] = []
     try:
         with cf.ThreadPoolExecutor(3) as ex:
-            ms.extend(ex.map(lambda i: _manager(lh, pgs[i], f"r{i}", 2), range(3)))
+            ms.extend(ex.map(lambda i: _manager(lh, pgs[i], f"r{i}", 2, training_thread), range(3)))
             res = list(ex.map(lambda i: _step(ms[i], float(i + 1)), range(3), timeout=90))
             assert [r[0] for r in res] == [True] * 3, res
             assert all(r[1] == pytest.approx(2.0) and r[2] == "reconfigure" for r in res), res  # mean of 1, 2, 3
@@ -211,7 +214,7 @@ def test_managers_reconfigure_from_handles_through_a_shrink_and_a_grow(lighthous
             res = list(ex.map(lambda i: _until_all(ms[i], float(i + 1), 2), range(2), timeout=90))
             assert all(r[1] == pytest.approx(1.5) and r[2] == "reconfigure" for r in res), res
 
-            ms[2] = _manager(lh, pgs[2], "r2b", 2)  # grow: the same group object joins again
+            ms[2] = _manager(lh, pgs[2], "r2b", 2, training_thread)  # grow: the same group object joins again
             res = list(ex.map(lambda i: _until_all(ms[i], float(i + 1), 3), range(3), timeout=90))
             assert all(r[1] == pytest.approx(2.0) and r[2] == "reconfigure" for r in res), res
             order = sorted(range(3), key=lambda i: ms[i].replica_id)

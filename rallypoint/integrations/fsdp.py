@@ -30,7 +30,8 @@ One call sets it up::
 Healing is FSDP-safe. FSDP2's parameters are DTensors whose storage FSDP swaps between
 sharded and unsharded around forward and backward; reading the state dict from another
 thread while forward runs crashes or reads a half-resharded module (torchtitan#4754, an
-async quorum that read it mid-forward). So the helper sets
+async quorum that read it mid-forward). So the helper sets (as the Manager decides by itself for
+state holding DTensors when ``heal_on_training_thread`` is left unset)
 ``manager.heal_on_training_thread = True``: the quorum thread only forms the quorum, and
 the sender's state (model and optimizer state, DTensors holding the local shard) is read
 and copied inside ``should_commit()`` on the training thread, after backward and before

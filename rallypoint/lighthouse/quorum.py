@@ -93,6 +93,12 @@ class Quorum:
     def replica_id_set(self) -> frozenset[str]:
         return frozenset(self.replica_ids)
 
+    @property
+    def participants(self) -> list[Member]:
+        """The members as torchft's ``Quorum.participants`` names them (a list, as its
+        binding returns), so torchft code reading a quorum from our client runs unchanged."""
+        return list(self.members)
+
 
 @dataclass(frozen=True)
 class Pending:

@@ -12,10 +12,15 @@ optimizer step do), the process group finishes before returning. Another transpo
 given a copy (:func:`materialise`).
 
 How this stays out of the training step (the ``Manager``'s side), and why the state being
-served is never read while the training thread changes it:
+served is never read while the training thread changes it. Which thread heals is the
+Manager's ``heal_on_training_thread``: True, False, or None (the default, what TorchTitan
+gets through torchft's arguments), decided once on the training thread at the first
+``start_quorum`` (and again after another ``state_dict`` callback is registered): True
+when the registered state holds a DTensor (FSDP2), else False; cached, so a step pays
+nothing for it (:mod:`._heal_thread`).
 
-With ``heal_on_training_thread=True`` (what FSDP2 needs; ``rallypoint.integrations.fsdp``
-sets it) the quorum thread only forms the quorum.
+On the training thread (FSDP2's state by default; ``rallypoint.integrations.fsdp`` sets
+it too) the quorum thread only forms the quorum.
 Both sides of a heal run on the training thread, between steps' mutations: in
 :meth:`should_commit` (after backward, before the vote; :meth:`start_quorum` /
 :meth:`wait_quorum` when the quorum is synchronous). There, and only there, the sender
@@ -27,11 +32,22 @@ unsharded parameters that forward swaps in and frees (torchtitan#4754: a state r
 the quorum thread mid-forward crashed the serving process). The receiver fetches there
 too, into its current state, and applies it before the vote.
 
-``heal_on_training_thread=False`` (the default, for state that may be read while forward
-runs, i.e. not FSDP2's) overlaps the heal with forward: the sender serves as soon as its quorum
-arrives, on the quorum thread, live (forward and backward change neither parameters nor
-optimizer state), frozen in :meth:`should_commit`; the receiver fetches on the quorum
-thread and applies the state in :meth:`should_commit`.
+The frozen state stays served until its receivers have it (each says so, or every piece
+was sent to each; a state with no data bytes: once each said so), a newer
+state replaces it (the sender serves again; a receiver still on the older step is told
+409 and heals again), or the heal timeout passes; never withdrawn under a receiver that
+has not asked yet, whatever the sender does meanwhile (its next rounds'
+``disallow_checkpoint`` leave a frozen state alone). The healing peer fetches only once
+its own training thread reaches ``should_commit``, which may be after the sender's vote,
+freeze and next step. That was the livelock that kept training-thread heals opt-in: a
+state with no data bytes counted as delivered the moment it was served, so the freeze
+withdrew it before the peer asked: HTTP 410 every round
+(``tests/test_heal_default.py``).
+
+On the quorum thread (state with no DTensor by default) the heal overlaps forward: the
+sender serves as soon as its quorum arrives, live (forward and backward change neither
+parameters nor optimizer state), frozen in :meth:`should_commit`; the receiver fetches on
+the quorum thread and applies the state in :meth:`should_commit`.
 
 DTensors (FSDP2), whichever thread heals: a received DTensor the receiver has at the same
 key is rebuilt on that DTensor's mesh; one it lacks (a fresh replica's optimizer state)
@@ -167,8 +183,9 @@ class Healer:
         """The optimizer may step once the vote is in: what we serve must not change under a
         reader. A state served on the training thread in this round stays up (the healing
         peer may not even have asked yet): a live transport freezes it, a copy needs
-        nothing. Otherwise the transport stops serving (a live one keeps a frozen copy of
-        what a receiver still reads)."""
+        nothing. Otherwise ``disallow_checkpoint``: a live state served from the quorum
+        thread is frozen if a receiver is reading it (withdrawn if none asked); a state
+        frozen earlier stays up until its receivers have it or it expires."""
         freeze = getattr(self._transport, "freeze_checkpoint", None)
         try:
             if not served_here:

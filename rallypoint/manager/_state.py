@@ -29,6 +29,10 @@ class UserState:
             self._load[key] = load_state_dict
             self._save[key] = state_dict
 
+    def has_state(self) -> bool:
+        """Whether any ``state_dict`` callback is registered."""
+        return bool(self._save)
+
     def snapshot(self, counters: Callable[[], dict[str, int]]) -> dict[str, Any]:
         """What a healing peer receives: ``{"user": {key: state}, "torchft": counters()}``
         (torchft's layout, so either side may be torchft's)."""

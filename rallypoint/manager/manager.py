@@ -50,6 +50,7 @@ from rallypoint._net.inject import parse_injections
 from rallypoint.manager._guard import SdcGuard
 from rallypoint.manager._heal import Healer
 from rallypoint.manager._heal_step import heal_here
+from rallypoint.manager._heal_thread import HealThread
 from rallypoint.manager._inject import Injector
 from rallypoint.manager._outage import Outage, quorum_failure
 from rallypoint.manager._peer_relay import PeerDownRelay
@@ -94,10 +95,10 @@ class Manager(GroupConnection):
         init_sync: at step 0, non-primary groups heal from the primary, so all start equal (True).
         max_retries: raise after this many consecutive failed steps (None: never).
         quorum_retries: retries of a failed quorum call before the step fails (0).
-        heal_on_training_thread: serve and fetch heals on the training thread, never reading the state
-            while forward runs (what FSDP2 needs; ``rallypoint.integrations.fsdp`` sets it). False (the
-            default): on the quorum thread, overlapped with forward, for state that may be read then;
-            see ``_heal.py``.
+        heal_on_training_thread: True: serve and fetch heals on the training thread, never reading the
+            state while forward runs (what FSDP2 needs). False: on the quorum thread, overlapped with
+            forward, for state that may be read then. None (the default): decided at the first
+            ``start_quorum`` from the registered state: True when it holds DTensors (``_heal_thread.py``).
         sdc_check: compare gradients across replicas before each commit (``RALLYPOINT_SDC_CHECK``).
         sdc_check_every: compare parameter hashes every N commits (``RALLYPOINT_SDC_CHECK_EVERY``; 0: off).
     """
@@ -126,16 +127,15 @@ class Manager(GroupConnection):
         init_sync: bool = True,
         max_retries: int | None = None,
         quorum_retries: int = 0,
-        heal_on_training_thread: bool = False,
+        heal_on_training_thread: bool | None = None,
         sdc_check: bool | None = None,
         sdc_check_every: int | None = None,
     ) -> None:
         pg, kind = _reconfig.adapt(pg)  # TypeError for a group that can be neither (re)configured
         self._pg = pg
-        #: Serve and fetch heals on the training thread (the default; see ``_heal.py``).
         #: ``heal_mesh``: a mesh for received DTensors that the current state lacks (e.g. a
         #: fresh replica's optimizer state) when none of its own has the sender's shape.
-        self.heal_on_training_thread = bool(heal_on_training_thread)
+        self._heal_thread = HealThread(heal_on_training_thread)
         self.heal_mesh: Any = None
         self._min_replica_size = int(min_replica_size)
         self._use_async_quorum = use_async_quorum
@@ -215,12 +215,24 @@ class Manager(GroupConnection):
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
         """Add state under ``key`` to what heals send (``state_dict``) and apply (``load_state_dict``)."""
         self._user_state.register(key, load_state_dict, state_dict)
+        self._heal_thread.registered()  # auto: look at the state again at the next start_quorum
 
     def set_state_dict_fns(self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
         """Deprecated (torchft 0.2's name, which TorchTitan calls): :meth:`register_state_dict_fn`
         under torchft's key ``"set_state_dict_fns"``."""
         self._log.warning("set_state_dict_fns is deprecated, use register_state_dict_fn")
         self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
+
+    @property
+    def heal_on_training_thread(self) -> bool:
+        """Whether heals are served and fetched on the training thread (``_heal.py``): as
+        asked for, or decided from the registered state (``_heal_thread.py``). Setting
+        True/False (``rallypoint.integrations.fsdp`` sets True) wins; None decides again."""
+        return self._heal_thread.on
+
+    @heal_on_training_thread.setter
+    def heal_on_training_thread(self, on: bool | None) -> None:
+        self._heal_thread.set(on)
 
     def register_sdc_params(self, params: Any) -> None:
         """The parameters the corruption check compares across replicas every
@@ -275,6 +287,7 @@ class Manager(GroupConnection):
             self._wait_future()
         for hook in self.step_hooks:  # the last round committed and the optimizer stepped: a durable checkpoint
             hook.at_boundary()
+        self._heal_thread.at_boundary(self._manager_state_dict, self._user_state.has_state(), self._log)
         now = time.monotonic()
         prev = self._cur.rec
         if prev.round and prev.ended is None:  # a round that never reached should_commit

@@ -35,12 +35,15 @@ The rules (:class:`LiveEncoded`):
   state: a piece already summed and still being sent fails the receiver's check if it
   changes, and is fetched again from the copy. The transport freezes in
   ``disallow_checkpoint`` (the Manager's ``should_commit``, right before the optimizer
-  may step; a state no receiver has asked for yet is withdrawn instead, never copied)
-  and ``freeze_checkpoint``; an optimizer step pre-hook freezes for any optimizer step
+  may step, for a state served from the quorum thread; a live state no receiver has asked
+  for yet is withdrawn instead, never copied; a state already frozen is left as it is)
+  and ``freeze_checkpoint`` (a state served on the training thread, whose receiver may
+  not have asked yet: always kept); an optimizer step pre-hook freezes for any optimizer step
   taken while something is served live (a DiLoCo sender's inner steps during the sync
   delay; a step taken without the Manager). The frozen copies are served until every
   receiver has its bytes (or says it is done: a striped receiver takes only part from
-  each source), then dropped; at the latest after the transport's timeout.
+  each source; a state with no data bytes: until each said so), then
+  dropped; at the latest after the transport's timeout, or when a newer state replaces it.
 * **Cost in the usual step**: none. A healing replica's allreduce waits for its heal, so
   its sources reach ``should_commit`` only after it has everything and said so.
 * **Caught if it happens anyway**: each live tensor's autograd version counter (which
@@ -141,6 +144,7 @@ class LiveEncoded(Encoded):
         self._need_bytes = float(sum(v.nbytes for v in self.views) * max(1, receivers))
         self._first_read: float | None = None
         self._owed = sum(1 for k in self._need if k)  # tensors not yet delivered to everyone
+        self._no_data = self._owed == 0  # no piece to send: delivered once each receiver said done
         self._summing = [0] * n  # pieces of live memory being checksummed (or copied), per tensor
         self._retired = [False] * n
         self._on_complete = on_complete
@@ -221,7 +225,7 @@ class LiveEncoded(Encoded):
                 self._sent_bytes += self._piece_bytes[ti]
                 if self._sent[ti] == self._need[ti]:
                     self._owed -= 1
-                    complete = self._owed == 0 and self._thawed
+                    complete = self.delivered and self._thawed
                     if self._owed == 0:
                         self._cv.notify_all()  # a freeze may be waiting for the delivery
         if complete:
@@ -234,8 +238,16 @@ class LiveEncoded(Encoded):
 
     @property
     def delivered(self) -> bool:
-        """Every piece was sent to every expected receiver, or each said it is done."""
-        return self._owed == 0 or self._done >= self._receivers
+        """Every expected receiver has it: each said it is done, or every piece was sent
+        to each of them. A state with no data bytes (no tensors, or only empty ones) has
+        no piece to send: it is delivered only when each receiver said done (or it
+        expires). Why: counted by its pieces, it was delivered before anyone asked, so it
+        was withdrawn at the sender's freeze right after its vote, every round: HTTP 410
+        to a joiner slower to ask than the sender's step (the livelock that kept
+        training-thread heals opt-in)."""
+        if self._done >= self._receivers:
+            return True
+        return self._owed == 0 and not self._no_data
 
     def delivered_tensor(self, ti: int) -> bool:
         """Tensor ``ti`` was sent to every expected receiver."""
@@ -421,7 +433,7 @@ class LiveEncoded(Encoded):
             logger.info("froze the served state: copied %d bytes not yet delivered (%d more copied ahead of it)",
                         copied, self.precopied)
         with self._cv:
-            complete = self._owed == 0 or self._done >= self._receivers
+            complete = self.delivered
         if complete:
             self._completed()
         return copied

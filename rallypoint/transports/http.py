@@ -321,14 +321,24 @@ class HTTPTransport(CheckpointTransport[Any]):
         ``should_commit``, before the optimizer steps). Live: freeze the served state
         (copy what is not yet delivered; return once no read of live memory is in
         flight) and go on serving the frozen state until the receivers have it, for at
-        most the timeout. Copy: stop offering it, waiting (up to the timeout) for the
-        streams in flight, then abort those still running."""
+        most the timeout; a live state no receiver asked for yet is withdrawn instead
+        (nothing copied), and a state already frozen (``freeze_checkpoint`` in an earlier
+        round) is left to its receivers and its expiry. Copy: stop offering it, waiting
+        (up to the timeout) for the streams in flight, then abort those still running."""
         with self._lock:
             served = self._served
         if served is None:
             return
         enc = served.enc
         if isinstance(enc, LiveEncoded):
+            if enc.frozen and enc.spoiled is None:
+                # Already independent of the caller's memory (frozen by freeze_checkpoint
+                # in an earlier round, or by an optimizer step): it stays served until its
+                # receivers have it, a newer state replaces it, or its expiry. Withdrawing
+                # it here, because this round serves nothing, took it from under a
+                # receiver that had not asked yet.
+                self._expire_later(served)
+                return
             if enc.delivered or enc.spoiled is not None or not enc.started:
                 # Nothing to keep: every receiver has it, or none came (a late one is
                 # told it was withdrawn and heals again): no copy.
