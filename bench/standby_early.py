@@ -1,6 +1,6 @@
 """A failure soon after a (re)start: kill -> participating when the SIGKILL comes 3 s after
 the group (re)started, ours (this tree, with the group's zygote) vs ours before (another
-checkout, standbys only: ``--before-src``, default /work/main) vs torchft 0.2.0 under
+checkout, standbys only: ``--before-src``; left out without it) vs torchft 0.2.0 under
 torchrun (torchft has no supervisor; torchrun's restart of the worker group is its control).
 
 Two replica groups of one rank each train ``chaos_worker.py``'s MLP (DDP, gloo on CPU,
@@ -22,7 +22,7 @@ groups participating (the worker's own clock, same host). Variants alternate run
 (``--rounds``), medians with min/max are reported, then one JSON line.
 
     .venv/bin/python bench/standby_early.py                 # 2 rounds x 3 kills per variant
-    .venv/bin/python bench/standby_early.py --rounds 1 --kills 2 --variants ours,ours_before
+    .venv/bin/python bench/standby_early.py --before-src ../rallypoint-0.1   # also a checkout from before
 """
 
 from __future__ import annotations
@@ -123,13 +123,13 @@ def _argv(variant: str, gid: int, lh: str, wplan: dict[str, Any]) -> list[str]:
             str(WORKER), json.dumps(wplan)]
 
 
-def _env(variant: str, gid: int, lh: str, before_src: Path, tmp: str) -> dict[str, str]:
+def _env(variant: str, gid: int, lh: str, before_src: str | None, tmp: str) -> dict[str, str]:
     env = dict(os.environ)
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE",
               "RALLYPOINT_LIGHTHOUSE", "TORCHELASTIC_RESTART_COUNT"):
         env.pop(k, None)
     _util.clear_job_env(env)
-    src = before_src if variant == "ours_before" else REPO
+    src = before_src if variant == "ours_before" and before_src else REPO
     env["PYTHONPATH"] = os.pathsep.join([str(src), str(REPO / "bench")])
     env.setdefault("RUST_LOG", "warn")
     env["TMPDIR"] = tmp
@@ -181,7 +181,7 @@ def _run(variant: str, plan: dict[str, Any], tmp: str) -> dict[str, Any]:
     try:
         for gid in range(2):
             groups.append(_Group(_argv(variant, gid, lh.addr(), wplan),
-                                 _env(variant, gid, lh.addr(), Path(plan["before_src"]), tmp),
+                                 _env(variant, gid, lh.addr(), plan["before_src"], tmp),
                                  os.path.join(tmp, f"{variant}.g{gid}.log"), tmp))
             if gid == 0:
                 time.sleep(0.5)  # group 0 first: group 1 joins a running job
@@ -267,16 +267,22 @@ def main() -> None:
     ap.add_argument("--after", default="3,1",
                     help="seconds after the (re)start the kills come, in turn (default 3,1: the goal's 3 s, and 1 s)")
     ap.add_argument("--compute-ms", type=float, default=20.0, help="simulated compute per step")
-    ap.add_argument("--before-src", type=Path, default=Path("/work/main"),
-                    help="the checkout whose rallypoint is 'ours_before' (default /work/main)")
+    ap.add_argument("--before-src", type=Path, default=None,
+                    help="another checkout whose rallypoint is 'ours_before' (e.g. one from before the zygote); "
+                         "without it that variant is left out")
     ap.add_argument("--out", help="also write the JSON line to this file")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     if [v for v in variants if v not in VARIANTS]:
         ap.error(f"unknown variant in {variants}")
+    if args.before_src is None and "ours_before" in variants:
+        variants.remove("ours_before")
+        print("# standby_early: no --before-src, so no 'ours_before' variant", file=sys.stderr)
+    elif args.before_src is not None and not (args.before_src / "rallypoint" / "__init__.py").is_file():
+        ap.error(f"--before-src {args.before_src}: no rallypoint/__init__.py there")
     afters = [float(a) for a in args.after.split(",") if a]
     plan = {"kills": args.kills, "after_s": afters, "compute_ms": args.compute_ms, "op_timeout_s": 10.0,
-            "before_src": str(args.before_src.resolve()), "start_timeout_s": 120.0}
+            "before_src": str(args.before_src.resolve()) if args.before_src else None, "start_timeout_s": 120.0}
     tmp = tempfile.mkdtemp(prefix="bench-standby-early-")
     load0 = os.getloadavg()[0]
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse, in this process

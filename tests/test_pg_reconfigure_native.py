@@ -15,7 +15,7 @@ replicas are threads) and checks its JSON result:
 On torch 2.13 every case skips (no native reconfigure; torchft-nightly's modules need
 2.14). Run them with the torch 2.14 venv::
 
-    PYTHONPATH=$PWD /work/venv-next/bin/python -m pytest tests/test_pg_reconfigure_native.py
+    make test-newest PYTEST_ARGS=tests/test_pg_reconfigure_native.py   # .venv-newest, torch 2.14.1
 
 torchft-nightly is looked up in ``$RALLYPOINT_TORCHFT_NIGHTLY`` or ``<sys.prefix>/torchft-nightly``
 (the folder that holds ``torchft/``); cases that need it skip when it is absent.
