@@ -296,4 +296,39 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             dist.destroy_process_group()
 
 
-__all__ = ["DistributedDataParallel"]
+class PureDistributedDataParallel(nn.Module):
+    """torchft's experimental pure-Python DDP, for code written against it: one
+    ``manager.allreduce`` per gradient (a mean over the participating replica groups),
+    posted as each gradient is accumulated, and all of them waited for before
+    ``backward()`` returns, so the optimizer sees averaged gradients. No buckets and no
+    averaging inside a replica group: use it with one rank per group, and prefer
+    :class:`DistributedDataParallel`, which is faster for any real model."""
+
+    def __init__(self, manager: GradientManager, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._works: list[Waitable] = []
+        self._queued = False
+
+        def post_grad_hook(p: torch.Tensor) -> None:
+            if p.grad is None:
+                return
+            if not self._queued:  # the first gradient of this backward: wait for all at its end
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)  # type: ignore[attr-defined]
+            self._works.append(manager.allreduce(p.grad))
+
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(post_grad_hook)
+
+    def _wait_all(self) -> None:
+        works, self._works, self._queued = self._works, [], False
+        for w in works:
+            w.wait()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+__all__ = ["DistributedDataParallel", "PureDistributedDataParallel"]

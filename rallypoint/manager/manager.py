@@ -56,6 +56,7 @@ from rallypoint.manager._outage import Outage, quorum_failure
 from rallypoint.manager._peer_relay import PeerDownRelay
 from rallypoint.manager._record import Round as _Round, RoundLog, StepRecord, cause_of
 from rallypoint.manager._state import UserState
+from rallypoint.manager._torchft_api import TorchftApi
 from rallypoint.manager._work import DoneWork, ManagedWork, allreduce_args, neutral_fill
 from rallypoint.manager.recovery import QuorumResult
 from rallypoint.process_groups.protocols import ReconfigurableProcessGroup
@@ -65,7 +66,7 @@ T = TypeVar("T")
 log = logging.getLogger("rallypoint.manager")
 
 
-class Manager(GroupConnection):
+class Manager(GroupConnection, TorchftApi):
     """Fault-tolerant data-parallel training for one rank of one replica group.
 
     Arguments mirror torchft 0.2.0's; those left unset fall back to the environment
@@ -154,7 +155,7 @@ class Manager(GroupConnection):
         if not 0 <= self._group_rank < self._group_world_size:
             raise ValueError(f"rank {self._group_rank} is not in a replica group of {self._group_world_size}")
 
-        self._user_state = UserState()
+        self._user_state = UserState(read_timeout_s=self._timeout.total_seconds())
         self.step_hooks: list[Any] = []  # at_boundary()/close() at each round's start / shutdown: rallypoint/checkpoint
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
@@ -216,12 +217,6 @@ class Manager(GroupConnection):
         """Add state under ``key`` to what heals send (``state_dict``) and apply (``load_state_dict``)."""
         self._user_state.register(key, load_state_dict, state_dict)
         self._heal_thread.registered()  # auto: look at the state again at the next start_quorum
-
-    def set_state_dict_fns(self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]) -> None:
-        """Deprecated (torchft 0.2's name, which TorchTitan calls): :meth:`register_state_dict_fn`
-        under torchft's key ``"set_state_dict_fns"``."""
-        self._log.warning("set_state_dict_fns is deprecated, use register_state_dict_fn")
-        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
 
     @property
     def heal_on_training_thread(self) -> bool:

@@ -294,6 +294,13 @@ class ProcessGroup(_TorchProcessGroup):
     def broadcast(self, tensor_list: list[torch.Tensor], opts: Any = None) -> Work:  # type: ignore[override]
         self._unsupported("broadcast")
 
+    def broadcast_one(self, tensor: torch.Tensor, root: int) -> Work:
+        """Broadcast one tensor from group rank ``root`` (torchft's convenience name): the
+        same as ``broadcast([tensor], BroadcastOptions(rootRank=root))``."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        return self.broadcast([tensor], opts)
+
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Work:  # type: ignore[override]
         self._unsupported("reduce_scatter")
 
