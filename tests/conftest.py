@@ -392,3 +392,19 @@ def replicas_factory(tmp_path: Path) -> Iterator[Callable[[Any], Any]]:
     yield make
     for r in made:
         r.kill_all()
+
+
+@pytest.fixture
+def mesh1() -> Iterator[Any]:
+    """A 1-rank gloo world and a 1-D CPU device mesh in this process (FSDP2/DTensor tests),
+    torn down afterwards; skips where gloo is missing or a process group already exists."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_gloo_available() or dist.is_initialized():
+        pytest.skip("needs gloo and no process group in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

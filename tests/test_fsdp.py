@@ -61,20 +61,6 @@ class FakeManager:
         self.errors.append(e)
 
 
-@pytest.fixture
-def mesh1() -> Iterator[Any]:
-    """A 1-rank gloo world and mesh in this process, torn down afterwards."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_gloo_available() or dist.is_initialized():
-        pytest.skip("needs gloo and no process group in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
 
 def _adam(ps: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(ps, lr=0.05)

@@ -23,7 +23,7 @@ import threading
 import time
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -33,19 +33,6 @@ from rallypoint.manager._heal import Healer
 from rallypoint.manager._heal_thread import HealThread, decide, heal_thread, holds_dtensor
 from rallypoint.transports.http import HTTPTransport, SourceRefused, TransferError
 
-
-@pytest.fixture
-def mesh1() -> Iterator[Any]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_gloo_available() or dist.is_initialized():
-        pytest.skip("needs gloo and no process group in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------ the decision

@@ -8,7 +8,7 @@ of the same shape; no mesh at all is an error naming the key."""
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,19 +18,6 @@ from rallypoint.manager._heal_step import place_dtensors
 from rallypoint.transports import wire
 from rallypoint.transports._rebuild import has_sent_dtensors, rebuild_dtensors
 
-
-@pytest.fixture
-def mesh1() -> Iterator[Any]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_gloo_available() or dist.is_initialized():
-        pytest.skip("needs gloo and no process group in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 class Replica:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +23,7 @@ from rallypoint.integrations.ddp import PureDistributedDataParallel
 from rallypoint.manager import Manager
 from rallypoint.manager._state import UserState
 from rallypoint.process_groups import ProcessGroupGloo
+from test_ddp import solo  # noqa: F401 - a one-replica Manager, shut down at teardown
 from test_process_groups import addr, configure_threads, master  # noqa: F401 - the store fixture
 
 T = timedelta
@@ -145,40 +145,14 @@ def test_disallow_waits_for_a_read_in_progress() -> None:
 # ----------------------------------------------------------------- a real Manager
 
 
-@pytest.fixture
-def solo(lighthouse: Any) -> Iterator[Any]:
-    """``solo(model, opt)`` -> a Manager of a one-replica job over gloo (shut down at teardown)."""
-    lh = lighthouse(min_replicas=1)
-    made: list[tuple[Manager, Any]] = []
-
-    def make(model: nn.Module, opt: torch.optim.Optimizer) -> Manager:
-        pg = ProcessGroupGloo(timeout=T(seconds=5))
-
-        def load(sd: dict[str, Any]) -> None:
-            model.load_state_dict(sd["model"])
-            opt.load_state_dict(sd["opt"])
-
-        m = Manager(pg, load, lambda: {"model": model.state_dict(), "opt": opt.state_dict()}, min_replica_size=1,
-                    rank=0, world_size=1, hostname="127.0.0.1", store_addr="127.0.0.1",
-                    lighthouse_addr=lh.address(), replica_id="solo", timeout=T(seconds=5),
-                    quorum_timeout=T(seconds=10), connect_timeout=T(seconds=5))
-        made.append((m, pg))
-        return m
-
-    yield make
-    for m, pg in made:
-        m.shutdown()
-        pg.shutdown()
-
-
 def _mlp() -> nn.Module:
     torch.manual_seed(3)
     return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
-def test_wrap_future_passes_a_value_and_turns_a_failure_or_a_timeout_into_the_default(solo: Any) -> None:
+def test_wrap_future_passes_a_value_and_turns_a_failure_or_a_timeout_into_the_default(solo: Any) -> None:  # noqa: F811
     model = _mlp()
-    m = solo(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    m = solo(ProcessGroupGloo(timeout=T(seconds=5)), model, torch.optim.SGD(model.parameters(), lr=0.1))
     m.start_quorum()
     ok: torch.futures.Future[int] = torch.futures.Future()
     wrapped = m.wrap_future(ok, default=-1)
@@ -247,7 +221,7 @@ def test_pure_ddp_trains_and_commits_with_a_real_manager(solo: Any) -> None:
     model, plain = _mlp(), _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     popt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    m = solo(model, opt)
+    m = solo(ProcessGroupGloo(timeout=T(seconds=5)), model, opt)
     ddp = PureDistributedDataParallel(m, model)
     x = torch.randn(4, 5)
     for _ in range(3):
