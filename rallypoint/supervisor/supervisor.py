@@ -65,6 +65,7 @@ from rallypoint.supervisor._procs import Lifeline, RankProcess, StoreHost, Wakeu
 from rallypoint.supervisor._rendezvous import NodeRendezvous, RdzvConfig
 from rallypoint.supervisor._report import EventReporter
 from rallypoint.supervisor._starts import ZYGOTE_READY_S, Starts
+from rallypoint.supervisor._stopping import RankStopping
 from rallypoint.supervisor.args import USAGE_EXIT, RunConfig, UsageError, config_from_args
 from rallypoint.supervisor.envs import GroupSpec, log_prefix, rank_env
 from rallypoint.supervisor.nodes import NodeInfo, RoundPlan
@@ -78,9 +79,6 @@ log = logging.getLogger("rallypoint.run")
 
 GAVE_UP_EXIT = 1
 STORE_READY_S = 60.0  # the store host imports torch first
-KILL_WAIT_S = 10.0  # after SIGKILL, for the kernel to reap
-DUMP_WAIT_S = 1.0  # the longest wait for the stack dumps of a hung group
-DUMP_QUIET_S = 0.2  # a rank's dump is complete once its stderr has been quiet this long
 STANDBY_POLL_S = 0.2  # how often the loop looks whether the standbys are due
 
 
@@ -102,7 +100,7 @@ class _End:
     reason: str = ""
 
 
-class Supervisor:
+class Supervisor(RankStopping):
     """Runs one replica group until it finishes, is stopped, or crash-loops."""
 
     def __init__(self, cfg: RunConfig, environ: Mapping[str, str] | None = None,
@@ -512,61 +510,6 @@ class Supervisor:
                     assert t is not None
                     return _End("hang", rank=first, hung=tuple(hung), silent_s=now - t, last_step=watch.steps[first])
 
-    def _dump_stacks(self) -> None:
-        """SIGUSR1 to every live rank (each dumps its Python stacks to its log, see
-        ``_rank.py``), then wait until each one that is not stopped has printed something
-        and been quiet for ``DUMP_QUIET_S``, at most ``DUMP_WAIT_S`` in all. A stop signal
-        meanwhile is kept for ``_stop_ranks``."""
-        pending = []
-        for r in self._ranks:
-            if r.popen.returncode is None:
-                before = r.stderr_activity()[0]
-                r.signal(signal.SIGUSR1)
-                if not r.stopped():
-                    pending.append((r, before))
-        deadline = time.monotonic() + DUMP_WAIT_S
-        while True:
-            now = time.monotonic()
-            pending = [(r, before) for r, before in pending if r.popen.returncode is None and not (
-                r.stderr_activity()[0] > before and now - r.stderr_activity()[1] >= DUMP_QUIET_S)]
-            if not pending or now >= deadline:
-                return
-            for ev in self._wake.wait(min(deadline - now, DUMP_QUIET_S / 4)):
-                self._other_event(ev)
-                if ev[0] == "signal":
-                    self._stop_signal = self._stop_signal or ev[1]
-
-    def _stop_ranks(self) -> None:
-        """SIGTERM (and SIGCONT) to every live rank, SIGKILL (to its process group) after the
-        grace period; a second stop signal meanwhile skips the rest of the grace period."""
-        def alive() -> list[RankProcess]:
-            return [r for r in self._ranks if r.popen.returncode is None]
-
-        for r in alive():
-            r.signal(signal.SIGTERM)
-            r.signal(signal.SIGCONT)  # a stopped rank acts on the SIGTERM now, not after the grace period
-        deadline, killed = time.monotonic() + self.cfg.grace_s, False
-        while alive():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if killed:
-                    log.error("%s: rank(s) %s still running %gs after SIGKILL", self._name,
-                              [r.rank for r in alive()], KILL_WAIT_S)
-                    break
-                log.warning("%s: rank(s) %s still running after the %gs grace period: SIGKILL", self._name,
-                            [r.rank for r in alive()], self.cfg.grace_s)
-                for r in alive():
-                    r.signal(signal.SIGKILL, group=True)
-                deadline, killed = time.monotonic() + KILL_WAIT_S, True
-                continue
-            for ev in self._wake.wait(remaining):
-                self._other_event(ev)
-                if ev[0] == "signal":
-                    if self._stop_signal:
-                        deadline = 0.0  # asked twice: no more grace
-                    self._stop_signal = self._stop_signal or ev[1]
-        self._finish_ranks()
-
     def _finish_ranks(self) -> None:
         for r in self._ranks:
             r.finish()
@@ -590,17 +533,6 @@ class Supervisor:
         log.info("%s: stopped by %s; every rank has exited", self._name, name)
         self._event("stopped", signal=name)
         return stop_exit_code(self._stop_signal)
-
-    def _kill_all(self) -> None:
-        """Last resort on the way out (normally every rank has exited already)."""
-        for r in self._ranks:
-            if r.popen.returncode is None:
-                r.signal(signal.SIGKILL, group=True)
-        for r in self._ranks:
-            try:
-                r.popen.wait(KILL_WAIT_S)
-            except Exception:  # noqa: BLE001
-                pass
 
 
 def main(args: argparse.Namespace) -> int:
