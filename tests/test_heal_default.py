@@ -17,7 +17,6 @@ livelock (issue 41, item 3).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import threading
 import time
@@ -32,6 +31,7 @@ from torch import nn
 from rallypoint.manager._heal import Healer
 from rallypoint.manager._heal_thread import HealThread, decide, heal_thread, holds_dtensor
 from rallypoint.transports.http import HTTPTransport, SourceRefused, TransferError
+from replica_pair import early_then_late
 
 
 
@@ -239,12 +239,8 @@ def test_a_joiner_slower_to_ask_than_the_senders_step_heals_on_the_training_thre
             m.shutdown(wait=False)
             pg.shutdown()
 
-    early = threading.Event()
-    with cf.ThreadPoolExecutor(2) as ex:
-        a = ex.submit(run, "ll_a", False, early)
-        assert early.wait(60), a.exception(timeout=1) if a.done() else "the sender never reached step 3"
-        b = ex.submit(run, "ll_b", True, None)
-        (sa, ha, _), (sb, hb, refused) = a.result(timeout=90), b.result(timeout=90)
+    (sa, ha, _), (sb, hb, refused) = early_then_late(lambda ahead: run("ll_a", False, ahead),
+                                                     lambda: run("ll_b", True, None), "the sender never reached step 3")
     assert sa >= target and sb >= target, (sa, sb, refused)
     assert hb and not ha, (ha, hb)
     assert refused == 0, f"{refused} heals refused with HTTP 410"
@@ -326,12 +322,8 @@ def test_fsdp2_state_heals_with_the_default_arguments_never_read_mid_forward(mes
             m.shutdown(wait=False)
             pg.shutdown()
 
-    early = threading.Event()
-    with cf.ThreadPoolExecutor(2) as ex:
-        a = ex.submit(replica, "fs_a", 1, early)
-        assert early.wait(60), a.exception(timeout=1) if a.done() else "replica a never reached step 3"
-        b = ex.submit(replica, "fs_b", 2, None)
-        sa, sb = a.result(timeout=90), b.result(timeout=90)
+    sa, sb = early_then_late(lambda ahead: replica("fs_a", 1, ahead), lambda: replica("fs_b", 2, None),
+                             "replica a never reached step 3")
     assert sa.pop("auto") is True and sb.pop("auto") is True  # decided: DTensors heal on the training thread
     assert sb.pop("healed") and not sa.pop("healed")
     assert bad == [], bad[:3]

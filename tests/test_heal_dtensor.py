@@ -17,6 +17,7 @@ from torch import nn
 from rallypoint.manager._heal_step import place_dtensors
 from rallypoint.transports import wire
 from rallypoint.transports._rebuild import has_sent_dtensors, rebuild_dtensors
+from replica_pair import early_then_late
 
 
 
@@ -146,7 +147,6 @@ def test_manager_heals_a_late_replicas_dtensor_state_by_default(mesh1: Any, ligh
     ``set_state_dict_fns``, no ``into=``/``mesh=``/``heal_mesh`` anywhere. A replica joining
     at step 3 (fresh SGD: no momentum_buffer yet) heals from its peer, whichever thread heals,
     and both end with identical parameters and momentum."""
-    import concurrent.futures as cf
     import threading
     from datetime import timedelta
 
@@ -197,12 +197,8 @@ def test_manager_heals_a_late_replicas_dtensor_state_by_default(mesh1: Any, ligh
             m.shutdown(wait=False)
             pg.shutdown()
 
-    early = threading.Event()
-    with cf.ThreadPoolExecutor(2) as ex:
-        a = ex.submit(replica, "dt_a", 1, early)
-        assert early.wait(60), a.exception(timeout=1) if a.done() else "replica a never reached step 3"
-        b = ex.submit(replica, "dt_b", 2, None)
-        sa, sb = a.result(timeout=90), b.result(timeout=90)
+    sa, sb = early_then_late(lambda ahead: replica("dt_a", 1, ahead), lambda: replica("dt_b", 2, None),
+                             "replica a never reached step 3")
     assert sb.pop("healed").item() and not sa.pop("healed").item()  # b healed (and committed that round)
     assert sorted(sa) == sorted(sb)
     for k in sa:
