@@ -40,7 +40,7 @@ install: $(STAMP) $(VENV)/$(NIGHTLY_MARK)
 	rm -rf $*/torchft-nightly
 	$*/bin/python -m pip install --quiet --no-deps --target $*/torchft-nightly torchft-nightly==$(TORCHFT_NIGHTLY)
 
-test: typecheck browser etcd
+test: typecheck browser etcd $(VENV)/$(NIGHTLY_MARK)
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 # The whole suite on the newest torch (the floor, torch 2.13.0, is `make test`'s): a venv of its
