@@ -488,7 +488,7 @@ class Ledger:
             return  # a report of an incarnation already replaced
         self._advance(g, now)
         t = g.totals
-        t.rounds[stats.outcome] = t.rounds.get(stats.outcome, 0) + 1
+        t.rounds[stats.outcome] = t.rounds.get(stats.outcome, 0) + stats.rounds
         if stats.outcome == "committed":
             t.step_sum += stats.step_s
         parts = _minus(round_parts(stats), g.credit)

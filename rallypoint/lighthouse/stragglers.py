@@ -164,6 +164,7 @@ class StepStats:
     cause: str | None = None  # failed rounds only (the goodput ledger's buckets)
     sdc: str | None = None  # cause "sdc": the check that failed ("grad" or "param")
     sdc_bad: tuple[str, ...] = ()  # and the replica groups it named
+    rounds: int = 1  # rounds summed in the timings (a paced report on a lease: manager/_lease.py)
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,7 @@ def parse_step_stats(data: str) -> StepStats | None:
         round=_int(raw, "round", False),
         rank=_int(raw, "rank", False),
         cause=None if cause is None or outcome != "failed" else (cause if cause in CAUSES else "other"),
+        rounds=max(1, _int(raw, "rounds", False)),
         **timings,
     )
 
@@ -402,7 +404,7 @@ class StragglerTracker:
             self._closed_through = stats.step - 1
         if stats.step <= self._closed_through:
             return []  # too late to compare
-        self._open.setdefault(stats.step, {})[group] = stats.compute_s
+        self._open.setdefault(stats.step, {})[group] = stats.compute_s / stats.rounds  # per round
         self._groups.setdefault(group, GroupState(deque(maxlen=self.policy.window)))
         events: list[Event] = []
         closing = sorted(s for s in self._open if s < stats.step)

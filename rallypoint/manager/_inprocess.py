@@ -35,6 +35,7 @@ class InProcessCalls:
     _loop: asyncio.AbstractEventLoop | None
     _stopped: threading.Event
     _local_key: str
+    _rank_keys: dict[int, str]
 
     def _join_quorum(self, req: pb.ManagerQuorumRequest, remaining: float | None,
                      stats: dict[str, Any] | None = None) -> Any: ...
@@ -78,9 +79,13 @@ class InProcessCalls:
         return self._call_local(self._as_local(req.group_rank, self._join_quorum(req, timeout, stats)), timeout, what)
 
     def local_should_commit(self, rank: int, step: int, vote: bool, timeout: float) -> bool:
-        """``ShouldCommit`` for a rank in this process."""
+        """``ShouldCommit`` for a rank in this process. A group of one rank decides on
+        the calling thread: its own vote is the whole group's, and its rank is bound to this
+        process, so no other caller can vote for it."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"group rank {rank} is not in replica group {self.replica_id} of {self.world_size}")
+        if self.world_size == 1 and self._rank_keys.get(0) == self._local_key and not self._stopped.is_set():
+            return vote
         return self._call_local(self._as_local(rank, self._vote(rank, step, vote)), timeout,
                                 f"should_commit of group rank {rank} at step {step}")
 

@@ -10,6 +10,7 @@ thread (revoke), so it takes a lock.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from dataclasses import dataclass
 
@@ -105,6 +106,13 @@ class LeaseHolder:
         """The quorum for the group's round at ``step`` from the lease, or None and why
         not. A refused lease is dropped: the group asks, and its asking ends the lease at
         the lighthouse too."""
+        quorum, why = self.take_base(step, commit_failures, shrink_only)
+        return (None, why) if quorum is None else (leased_quorum(quorum, step), "")
+
+    def take_base(self, step: int, commit_failures: int, shrink_only: bool) -> tuple[Quorum | None, str]:
+        """:meth:`take`, returning the lease's quorum as granted (the same object for every
+        round of the lease, so a caller may keep what it derived from it); the round's
+        quorum is ``leased_quorum(quorum, step)``."""
         with self._lock:
             lease = self._lease
             why = lease_refusal(lease, self._revoked_upto, step, commit_failures, shrink_only)
@@ -114,23 +122,49 @@ class LeaseHolder:
             self._lease = Lease(lease.quorum, step + 1, lease.report_every)
             self.served += 1
             self.report_every = lease.report_every
-            return leased_quorum(lease.quorum, step), ""
+            return lease.quorum, ""
 
 
 #: The step-stats fields that are durations: summed over the rounds a report covers.
 SUMMED = ("step_s", "compute_s", "quorum_wait_s", "comm_s", "heal_s", "commit_s", "configure_s")
 
+#: A group on a lease reports about this often (seconds), however short its steps: see report_pace().
+REPORT_INTERVAL_S = 0.05
+#: The most rounds one paced report covers, as a multiple of the lease's ``report_every``.
+MAX_PACE = 64
+
+
+def report_pace(step_s: float | None, interval_s: float = REPORT_INTERVAL_S, cap: int = MAX_PACE) -> int:
+    """How many times the lease's ``report_every`` a group lets pass between step reports
+    when its rounds take ``step_s`` seconds: the smallest power of two whose rounds last at
+    least ``interval_s`` (at most ``cap``); 1 when the step time is unknown.
+
+    Why: with steps of a few milliseconds, a report per step costs the lighthouse more CPU
+    than the whole step costs the group (on a shared host, the groups' too). Why a power
+    of two: groups that pick different paces still report at common steps (every multiple
+    of the larger one), where the straggler scorer compares them; each report says how many
+    rounds it sums (``rounds``), so the scorer compares per-round figures."""
+    if step_s is None or not math.isfinite(step_s) or step_s <= 0:
+        return 1
+    pace = 1
+    while pace < cap and pace * step_s < interval_s:
+        pace *= 2
+    return pace
+
 
 class StatsBatch:
-    """The step stats of leased rounds between two reports (``report_every``, from the
-    grant). A report is due at steps that are multiples of ``every``, and it sums the
-    durations of the rounds since the last one, so straggler scores compare every group
-    at the same steps while the goodput ledger still gets every second. A round whose
-    outcome differs from the ones gathered so far (a heal, say) is never summed with
-    them: what was gathered goes out first. Used on the ManagerServer's event loop."""
+    """The step stats of leased rounds between two reports. A report is due at steps that
+    are multiples of ``every`` (the grant's ``report_every``) times the group's pace
+    (:func:`report_pace`, from the step time of the last report), and it sums the durations
+    of the rounds since the last one and says how many (``rounds``), so straggler scores
+    compare groups at the same steps per round while the goodput ledger still gets every
+    second. A round whose outcome differs from the ones gathered so far (a heal, say) is
+    never summed with them: what was gathered goes out first. Used by one thread at a time
+    (the ManagerServer's event loop, or a one-rank group's training thread)."""
 
     def __init__(self) -> None:
         self._data: dict | None = None
+        self.pace = 1
 
     def add(self, data: dict, step: int, every: int) -> list[dict]:
         """Take the report ``data`` of the round at ``step``; the reports due now (0-2)."""
@@ -142,12 +176,17 @@ class StatsBatch:
             acc = held = None
         merged = dict(data)
         if stats is not None and held is not None:
-            merged["step_stats"] = {**stats, **{k: held[k] + stats[k] for k in SUMMED if k in held and k in stats}}
+            merged["step_stats"] = {**stats, **{k: held[k] + stats[k] for k in SUMMED if k in held and k in stats},
+                                    "rounds": held.get("rounds", 1) + 1}
         elif held is not None:
             merged["step_stats"] = held
+        every *= self.pace
         if every <= 1 or step % every == 0:
             out.append(merged)
             self._data = None
+            done = merged.get("step_stats")
+            if isinstance(done, dict) and isinstance(done.get("step_s"), (int, float)):
+                self.pace = report_pace(done["step_s"] / done.get("rounds", 1))
         else:
             self._data = merged
         return out
@@ -158,4 +197,5 @@ class StatsBatch:
         return data
 
 
-__all__ = ["SUMMED", "Lease", "LeaseHolder", "StatsBatch", "lease_refusal", "leased_quorum"]
+__all__ = ["MAX_PACE", "REPORT_INTERVAL_S", "SUMMED", "Lease", "LeaseHolder", "StatsBatch", "lease_refusal",
+           "leased_quorum", "report_pace"]

@@ -40,6 +40,24 @@ class LocalManagerClient:
                              reconfigure_handle)
         return self._server.local_quorum(req, seconds(timeout), step_stats=step_stats)
 
+    def leased_quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        commit_failures: int = 0,
+        init_sync: bool = True,
+        step_stats: dict[str, Any] | None = None,
+        reconfigure_handle: str = "",
+    ) -> QuorumResult | None:
+        """The round answered from the group's lease on this thread, or None when it must
+        go through :meth:`_quorum` (see
+        :meth:`~rallypoint.manager.server.ManagerServer.leased_local_quorum`)."""
+        req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync,
+                             reconfigure_handle)
+        return self._server.leased_local_quorum(req, step_stats)
+
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: float | timedelta) -> bool:
         return self._server.local_should_commit(group_rank, step, should_commit, seconds(timeout))
 

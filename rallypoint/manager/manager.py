@@ -46,15 +46,15 @@ from rallypoint.manager import _progress, _reconfig
 from rallypoint.manager._config import ReplicaLog as _ReplicaLog, WorldSizeMode, env as _env, td as _td
 from rallypoint.manager._connect import GroupConnection
 from rallypoint.manager._failfast import FailFast
-from rallypoint._net.inject import parse_injections
 from rallypoint.manager._guard import SdcGuard
 from rallypoint.manager._heal import Healer
 from rallypoint.manager._heal_step import heal_here
 from rallypoint.manager._heal_thread import HealThread
 from rallypoint.manager._inject import Injector
-from rallypoint.manager._outage import Outage, quorum_failure
+from rallypoint.manager._outage import Outage
 from rallypoint.manager._peer_relay import PeerDownRelay
 from rallypoint.manager._record import Round as _Round, RoundLog, StepRecord, cause_of
+from rallypoint.manager._rounds import QuorumRounds
 from rallypoint.manager._state import UserState
 from rallypoint.manager._torchft_api import TorchftApi
 from rallypoint.manager._work import DoneWork, ManagedWork, allreduce_args, neutral_fill
@@ -66,7 +66,7 @@ T = TypeVar("T")
 log = logging.getLogger("rallypoint.manager")
 
 
-class Manager(GroupConnection, TorchftApi):
+class Manager(GroupConnection, QuorumRounds, TorchftApi):
     """Fault-tolerant data-parallel training for one rank of one replica group.
 
     Arguments mirror torchft 0.2.0's; those left unset fall back to the environment
@@ -296,7 +296,7 @@ class Manager(GroupConnection, TorchftApi):
         # A step boundary: injected faults (`rallypoint inject`) happen here.
         base = None if prev.compute_s is None else prev.compute_s - prev.extra.get("injected_sleep_s", 0.0)
         rnd.rec.extra.update(self._injector.at_step_start(self.current_step(), base))
-        self._quorum_future = self._executor.submit(
+        self._quorum_future = self._leased_round(rnd, allow_heal, shrink_only, stats) or self._executor.submit(
             self._async_quorum, rnd, allow_heal, shrink_only, timeout or self._quorum_timeout, stats
         )
         if not self._use_async_quorum:
@@ -326,99 +326,6 @@ class Manager(GroupConnection, TorchftApi):
         quorum_error = self._cur.quorum_error
         if quorum_error is not None:
             raise quorum_error
-
-    def _async_quorum(self, rnd: _Round, allow_heal: bool, shrink_only: bool, timeout: timedelta,
-                      stats: dict[str, Any] | None) -> None:
-        try:
-            self._quorum_round(rnd, allow_heal, shrink_only, timeout, stats)
-        finally:
-            self._ff.setup_done()
-
-    def _quorum_round(self, rnd: _Round, allow_heal: bool, shrink_only: bool, timeout: timedelta,
-                      stats: dict[str, Any] | None) -> None:
-        assert self._client is not None
-        rec = rnd.rec
-        if self._outage.pause or self._healer.backoff_s():  # bounded backoffs (no lighthouse; failed heals)
-            self._closing.wait(max(self._outage.pause, self._healer.backoff_s()))  # shutdown ends it
-        try:
-            q = self._client._quorum(
-                group_rank=self._group_rank,
-                step=self._step,
-                checkpoint_metadata=self._transport.metadata(),
-                shrink_only=shrink_only,
-                timeout=timeout,
-                commit_failures=self._commit_failures,
-                init_sync=self._init_sync,
-                step_stats=stats,
-                **self._configurer.quorum_kwargs(self._client._quorum),  # the group's reconfigure handle
-            )
-        except Exception as e:  # noqa: BLE001
-            if isinstance(e, ConnectionError):
-                self._outage.failed(e)
-            else:
-                self._log.warning("quorum failed: %s", e)
-            self._participating_rank, self._participating_world_size = None, 0
-            rnd.quorum_error = quorum_failure(e, f"replica {self._replica_id} (group rank {self._group_rank})",
-                                              self._step, timeout, self._lighthouse_addr or "via group rank 0")
-            self.report_error(e)
-            return
-        self._outage.passed()
-        self._last_quorum = q
-        self._ff.quorum_arrived(q.replica_ids)
-        if q.inject:
-            try:
-                self._injector.add(parse_injections(q.inject))
-            except ValueError as e:
-                self._log.warning("ignored malformed injections: %s", e)
-        if self._use_async_quorum or not allow_heal:
-            prank, pws = q.max_replica_rank, q.max_world_size
-        else:
-            prank, pws = q.replica_rank, q.replica_world_size
-        if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
-            pws = min(pws, self._min_replica_size)
-            if prank is not None and prank >= self._min_replica_size:
-                prank = None
-        self._participating_rank, self._participating_world_size = prank, pws
-        rec.quorum_arrived = time.monotonic()
-        rec.quorum_id, rec.replica_rank, rec.replica_world_size = q.quorum_id, q.replica_rank, q.replica_world_size
-        rec.participants, rec.max_step = tuple(q.replica_ids), q.max_step
-        rec.participating_rank, rec.participating_world_size = prank, pws
-
-        if q.quorum_id != self._ff.quorum_id:  # configure or reconfigure: see _reconfig.py
-            rec.reconfigured = True
-            t0 = time.monotonic()
-            try:
-                self._ff.quorum_id = q.quorum_id
-                self._configurer.apply(q)
-            except Exception as e:  # noqa: BLE001
-                self._log.warning("process group configure failed: %s", e)
-                self.report_error(e)
-                return
-            finally:
-                rec.configure_s = time.monotonic() - t0
-
-        serves = self._healer.serves(q)
-        if not allow_heal or not (q.heal or serves):
-            return
-        rec.served_to = tuple(serves)
-        if q.heal:
-            rnd.apply_due = rec.healing = True  # contributes zeros until the state is applied
-            rec.heal_source = q.recover_src_replica_rank
-        if self.heal_on_training_thread:
-            rnd.heal_plan = q  # served / fetched by _heal_here on the training thread
-            return
-        try:
-            if serves:
-                # Served now, so the healing peer finds it as soon as it asks (guarded
-                # by the transport: see _heal.py); frozen or withdrawn in should_commit.
-                # User state_dict callbacks therefore run on this thread
-                # (heal_on_training_thread moves them).
-                self._healer.serve(q, self._manager_state_dict())
-            if q.heal:
-                rnd.pending = self._healer.fetch(q)
-        except Exception as e:  # noqa: BLE001
-            self._log.warning("recovery failed: %s", e)
-            self.report_error(e)
 
     def _heal_here(self) -> None:
         heal_here(self)  # see _heal_step.py

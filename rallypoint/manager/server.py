@@ -63,6 +63,7 @@ from rallypoint._net.lease import parse_lease
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint.manager._lease import LeaseHolder, StatsBatch
 from rallypoint.manager._inprocess import InProcessCalls, _Failure
+from rallypoint.manager._server_lease import LeasedRounds
 from rallypoint.manager._votes import (RANK_KEY_HEADER, CommitVotes, claim_rank, confirm_rank,
                                        new_rank_key)
 
@@ -75,7 +76,7 @@ log = logging.getLogger("rallypoint.manager")
 DEFAULT_QUORUM_TIMEOUT_S = 60.0
 
 
-class ManagerServer(InProcessCalls):
+class ManagerServer(InProcessCalls, LeasedRounds):
     """torchft's ``ManagerServer(replica_id, lighthouse_addr, hostname, bind, store_addr,
     world_size, heartbeat_interval, connect_timeout, quorum_retries)`` plus ours.
 
@@ -256,42 +257,6 @@ class ManagerServer(InProcessCalls):
         log.warning("[%s] lighthouse reports replica %s down: %s", self.replica_id, replica_id, reason)
         if self._on_peer_down is not None:
             self._on_peer_down(replica_id, reason)
-
-    def _lease_revoked(self, msg: rpb.LeaseRevoke) -> None:
-        """The lighthouse revoked leases up to ``msg.quorum_id`` (liveness thread). When a
-        member left the lease, rounds of it past ``msg.after_step`` fail now (FailFast)."""
-        reason = msg.reason[:MAX_REASON_BYTES]  # from the network: bounded before it is logged or relayed
-        if self._lease.revoke(msg.quorum_id):
-            log.info("[%s] lease of quorum %d revoked: %s", self.replica_id, msg.quorum_id, reason)
-        if msg.replica_id and len(msg.replica_id) <= MAX_REPLICA_ID_BYTES and msg.replica_id != self.replica_id \
-                and self._on_lease_left is not None:
-            self._on_lease_left(msg.replica_id, reason, msg.quorum_id, msg.after_step)
-
-    def _from_lease(self, rnd: _QuorumRound) -> bool:
-        """Answer ``rnd`` from the lease when the rule allows (``_lease.lease_refusal``); its
-        step stats go on the liveness stream. False: the round asks the lighthouse."""
-        if not self._leasing:
-            return False
-        held = self._lease.held()
-        commit_failures = max(r.commit_failures for r in rnd.requests.values())
-        quorum, why = self._lease.take(rnd.step, commit_failures, any(r.shrink_only for r in rnd.requests.values()))
-        if quorum is None:
-            if held:
-                log.info("[%s] step %d asks the lighthouse instead of using lease %d: %s", self.replica_id, rnd.step,
-                         held, why)
-            rest = self._reports.flush()
-            if rest is not None and self._liveness is not None:
-                self._liveness.report(int(rest.get("step", rnd.step)), json.dumps(rest))
-            return False
-        log.debug("[%s] step %d starts on lease %d", self.replica_id, rnd.step, quorum.quorum_id)
-        rnd.result.set_result(quorum)
-        if self._liveness is not None:
-            group = rules.aggregate_requests(rnd.step, self.world_size, [
-                rules.RankRequest(g, r.shrink_only, r.commit_failures, r.init_sync, rnd.stats.get(g))
-                for g, r in rnd.requests.items()], rnd.first_at, time.monotonic())
-            for data in self._reports.add(group.data, rnd.step, self._lease.report_every):
-                self._liveness.report(int(data.get("step", rnd.step)), json.dumps(data))
-        return True
 
     # ------------------------------------------------------------------ gRPC
     def _handlers(self) -> grpc.GenericRpcHandler:
