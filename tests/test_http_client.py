@@ -214,3 +214,69 @@ def test_bad_addresses_are_refused() -> None:
         Connection("ftp://h:1", None, {})
     with pytest.raises(ValueError, match="TLS context"):
         Connection("https://h:1", None, {})
+
+
+def _read_with(read: Callable[[memoryview], int], n: int, step: int) -> bytes:
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = read(view[got : got + step])
+        assert k, f"the body ended after {got} of {n} bytes"
+        got += k
+    return bytes(out)
+
+
+def test_the_body_reader_reads_the_socket_itself_and_keeps_the_connection(
+    server: Callable[[Script], tuple[str, list[bytes], list[int]]],
+) -> None:
+    """A body sent with its head in one write (so http.client buffers its first bytes) is
+    read whole and in order, the reply ends complete, and the next request reuses the
+    connection; a stopped read returns 0."""
+    bodies = [bytes(range(256)) * 4000 + bytes([i]) for i in range(3)]  # ~1 MB each
+
+    def script(c: socket.socket, requests: list[bytes]) -> None:
+        while req := _read_request(c):
+            requests.append(req)
+            c.sendall(_reply(bodies[len(requests) - 1]))
+        c.close()
+
+    base, requests, accepted = server(script)
+    deadline = time.monotonic() + 10
+    with Connection(base, None, {}) as conn:
+        for i, step in enumerate((1 << 20, 4096)):
+            reply = conn.get("/d", deadline)
+            read = conn.body_reader(reply, deadline, "body")
+            assert _read_with(read, len(bodies[i]), step) == bodies[i]
+            assert read(memoryview(bytearray(10))) == 0 and reply.isclosed()
+            conn.release(reply)
+        stop = threading.Event()
+        reply = conn.get("/d", deadline)
+        read = conn.body_reader(reply, deadline, "body", stop)
+        assert read(memoryview(bytearray(100))) == 100
+        stop.set()
+        assert read(memoryview(bytearray(100))) == 0
+    assert accepted[0] == 1 and len(requests) == 3
+
+
+def test_the_body_reader_stops_at_the_deadline(server: Callable[[Script], tuple[str, list[bytes], list[int]]]) -> None:
+    quiet = threading.Event()
+
+    def script(c: socket.socket, requests: list[bytes]) -> None:
+        _read_request(c)
+        c.sendall(_reply(b"x" * 100)[:-50])  # half the body, then nothing
+        quiet.wait(10)
+        c.close()
+
+    base, _, _ = server(script)
+    try:
+        t0 = time.monotonic()
+        with Connection(base, None, {}) as conn:
+            reply = conn.get("/d", t0 + 0.5)
+            read = conn.body_reader(reply, t0 + 0.5, "body")
+            buf = memoryview(bytearray(100))
+            assert read(buf) == 50
+            with pytest.raises(TimeoutError):
+                read(buf[50:])
+        assert time.monotonic() - t0 < 3
+    finally:
+        quiet.set()

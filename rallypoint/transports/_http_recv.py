@@ -356,15 +356,8 @@ class Receive:
             conn.close()
             raise wire.WireError(f"range [{start}, {end}): the source announced {reply.length} bytes")
         w = sink.writer(start, end)
-
-        def readinto(mv: memoryview) -> int:
-            if stop.is_set():
-                return 0
-            conn.set_deadline(deadline, what)  # TimeoutError once past it
-            return reply.readinto(mv)  # at most the announced length; 0 at its end
-
         try:
-            w.pull(readinto)
+            w.pull(conn.body_reader(reply, deadline, what, stop))
         except BaseException:
             conn.close()
             raise
