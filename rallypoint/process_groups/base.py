@@ -79,6 +79,7 @@ class ProcessGroup(_TorchProcessGroup):
         # torchft 0.3's reconfigure API (see reconfigure.py): who we are, our handle's store.
         self._reconfigure_id = new_handle_id()
         self._handle_store: HandleStore | None = None
+        self._handle_made: tuple[tuple[str, str, int | None], str] | None = None
         self._rank_info: tuple[str, int | None, int | None, int | None] = ("0", None, None, None)
 
     # ------------------------------------------------------------------ contract
@@ -171,7 +172,10 @@ class ProcessGroup(_TorchProcessGroup):
         host's name chooses its network; see reconfigure.py)."""
         if self._handle_store is None:
             self._handle_store = HandleStore()
-        return make_handle(self._handle_id(), self._handle_store.address(), self._rank_info[3])
+        key = (self._handle_id(), self._handle_store.address(), self._rank_info[3])
+        if self._handle_made is None or self._handle_made[0] != key:  # asked every step: made once
+            self._handle_made = (key, make_handle(*key))
+        return self._handle_made[1]
 
     def reconfigure(self, opts: ReconfigureOptions) -> Work:  # type: ignore[override]
         """Build the communicator for ``opts.handles`` (rank = position of our own
