@@ -30,7 +30,7 @@ CASES = {
 #: From this state size on, one receiver process at a time (start, warm-up + repeats,
 #: stop, next contender): ~6 receivers of 4 GB each plus the sender do not fit in 24 GiB.
 SEQUENTIAL_FROM_BYTES = 2 << 30
-CONTENDERS = ["rallypoint", "rp_inplace", "torchft0", "torchft4", "socket", "socket_inplace", "socket4",
+CONTENDERS = ["rallypoint", "rp_inplace", "rp_into", "torchft0", "torchft4", "socket", "socket_inplace", "socket4",
               "rp_pg", "rp_pg_inplace", "torchft_pg"]
 PG_CONTENDERS = ("rp_pg", "rp_pg_inplace", "torchft_pg")
 #: the plain-socket contenders (they all dial the sender's one socket port)
@@ -245,6 +245,8 @@ RATIOS = [
     ("inplace_vs_torchft0", "torchft0", "rp_inplace", "median_s"),
     ("inplace_of_socket_inplace", "socket_inplace", "rp_inplace", "median_s"),
     ("inplace_of_socket4", "socket4", "rp_inplace", "median_s"),
+    ("into_vs_torchft0", "torchft0", "rp_into", "median_s"),
+    ("into_of_socket_inplace", "socket_inplace", "rp_into", "median_s"),
     ("socket4_vs_socket_inplace", "socket_inplace", "socket4", "median_s"),
     ("first_fetch_rallypoint_vs_torchft0", "torchft0", "rallypoint", "first_s"),
     ("first_fetch_inplace_vs_torchft0", "torchft0", "rp_inplace", "first_s"),
@@ -272,13 +274,17 @@ def case_ratios(rs: dict[str, Any]) -> dict[str, Any]:
     if best is not None and "rp_inplace" in rs:
         out["inplace_of_best_socket"] = rs[best]["median_s"] / rs["rp_inplace"]["median_s"]
         out["best_inplace_socket"] = best
+    if best is not None and "rp_into" in rs:
+        out["into_of_best_socket"] = rs[best]["median_s"] / rs["rp_into"]["median_s"]
+        out["best_inplace_socket"] = best
     return out
 
 
 def case_goals(rt: dict[str, Any]) -> dict[str, bool]:
     """The issue's goals for one case: HTTP receive >= 1.3x torchft(0) and >= 80% of the socket ceiling."""
     checks = {"rallypoint_vs_torchft0": GOAL_VS_TORCHFT, "inplace_vs_torchft0": GOAL_VS_TORCHFT,
-              "rallypoint_of_socket": GOAL_OF_SOCKET, "inplace_of_best_socket": GOAL_OF_SOCKET}
+              "into_vs_torchft0": GOAL_VS_TORCHFT, "rallypoint_of_socket": GOAL_OF_SOCKET,
+              "inplace_of_best_socket": GOAL_OF_SOCKET, "into_of_best_socket": GOAL_OF_SOCKET}
     return {k: rt[k] >= bound for k, bound in checks.items() if k in rt}
 
 
@@ -312,6 +318,8 @@ def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, lo
                 _fmt(rt, "inplace_vs_torchft0", ".2f", "rp_inplace x torchft(0)"),
                 _fmt(rt, "inplace_of_socket_inplace", ".0%", "rp_inplace of socket_inplace"),
                 _fmt(rt, "inplace_of_socket4", ".0%", "rp_inplace of socket4"),
+                _fmt(rt, "into_vs_torchft0", ".2f", "rp_into x torchft(0)"),
+                _fmt(rt, "into_of_socket_inplace", ".0%", "rp_into of socket_inplace"),
                 _fmt(rt, "socket4_vs_socket_inplace", ".2f", "socket4 x socket_inplace"),
                 _fmt(rt, "first_fetch_rallypoint_vs_torchft0", ".2f", "first fetch: rallypoint x torchft(0)"),
                 _fmt(rt, "first_fetch_inplace_vs_torchft0", ".2f", "first fetch: rp_inplace x torchft(0)"),
@@ -328,7 +336,9 @@ def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, lo
                     ("inplace_vs_torchft0", "rp_inplace / torchft(0)", ".2f"),
                     ("rallypoint_of_socket", "rallypoint of socket (fresh)", ".1%"),
                     ("inplace_of_best_socket", f"rp_inplace of {rt.get('best_inplace_socket')} (best in-place "
-                                               "socket ceiling)", ".1%")) if k in goals]
+                                               "socket ceiling)", ".1%"),
+                    ("into_vs_torchft0", "rp_into / torchft(0)", ".2f"),
+                    ("into_of_best_socket", f"rp_into of {rt.get('best_inplace_socket')}", ".1%")) if k in goals]
                 print(f"{case:<10}goals: HTTP receive >= {GOAL_VS_TORCHFT}x torchft(0) and >= {GOAL_OF_SOCKET:.0%} of "
                       "the socket ceiling: " + ", ".join(f"{lab} {rt[k]:{f}} {'met' if goals[k] else 'NOT met'}"
                                                          for k, lab, f in shown))

@@ -13,7 +13,11 @@ the contenders' order rotating each round: every fetch is then a real healing's 
 process, fresh memory), and no contender's later fetches depend on whether glibc reused
 the heap its previous fetch freed (at 4 GB that luck moved a median by 2x). ``rp_inplace`` is
 rallypoint receiving into a state dict of the same shapes that the receiver already holds
-(healing's real situation; that memory is part of its baseline RSS).
+(healing's real situation; that memory is part of its baseline RSS), writing it as bytes
+arrive (``in_place=True``: a broken transfer leaves it torn); ``rp_into`` receives into
+the same held state without ever tearing it (``into=`` alone, what the Manager's heal on
+the training thread does): into buffers kept from the previous fetch, landed by swapping
+memory once every byte verified (``rallypoint/transports/_pool.py``).
 
 The plain-socket ceiling (``_transport_util``: the receiver asks for a part, the sender
 ``sendall``s its tensors' bytes, the receiver ``recv_into``s each tensor in order):
@@ -266,6 +270,14 @@ def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = Non
         t = HTTPTransport(TIMEOUT, bind="127.0.0.1:0")
         template = zeros_state(case)
         fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT, into=template, in_place=True)  # noqa: E731
+    elif contender == "rp_into":
+        # The Manager's heal on the training thread: into the state it holds, nothing written
+        # before every byte verified; warm buffers kept between fetches, landed by swapping.
+        from rallypoint.transports.http import HTTPTransport
+
+        t = HTTPTransport(TIMEOUT, bind="127.0.0.1:0")
+        template = zeros_state(case)
+        fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT, into=template)  # noqa: E731
     elif contender.startswith("rp_pg"):
         from rallypoint.process_groups import ProcessGroupGloo
         from rallypoint.transports.pg import PGTransport
@@ -433,7 +445,7 @@ def _run_cases(a: argparse.Namespace, cases: list[str], contenders: list[str], e
 
 def _start_receiver(case: str, c: str, addrs: dict[str, Any], env: dict[str, str],
                     tls_args: list[str]) -> subprocess.Popen[str]:
-    addr = addrs[{"rp_inplace": "rallypoint", TLS_INPLACE: TLS_CONTENDER}.get(c, c)]
+    addr = addrs[{"rp_inplace": "rallypoint", "rp_into": "rallypoint", TLS_INPLACE: TLS_CONTENDER}.get(c, c)]
     extra = tls_args if c in TLS_CONTENDERS else []
     r = child(["--role", "receiver", "--case", case, "--contender", c, "--addr", str(addr), *extra], env)
     read_json_line(r, 300, f"receiver {case}/{c} start")

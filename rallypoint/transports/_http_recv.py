@@ -125,7 +125,7 @@ class Receive:
                 raise TransferError(f"{self.where}: the header is for step {header.extra.get('step')!r}")
             first.ready = True
             try:
-                sink = wire.Sink(header, into=into, in_place=in_place, mesh=mesh)
+                sink = wire.Sink(header, into=into, in_place=in_place, mesh=mesh, pool=t.receive_pool)
             except wire.WireError as exc:
                 raise TransferError(f"{self.where}: {exc}") from exc
             try:

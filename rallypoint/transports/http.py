@@ -64,6 +64,7 @@ from rallypoint._net.addr import is_loopback
 from rallypoint._net.auth import bearer_matches, job_token
 from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net.tls import TlsConfig, check_server, client_ssl_context, server_ssl_context, tls_config
+from rallypoint.transports._pool import ReceivePool, pool_enabled
 from rallypoint.transports import wire
 from rallypoint.transports._http_recv import Receive
 from rallypoint.transports._live import COPY_BELOW, LiveEncoded
@@ -173,6 +174,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         self.copies_state = True
         self._publish_wait = None if publish_wait is None else publish_wait.total_seconds()
         self._num_chunks = default_connections(usable_cpus()) if num_chunks is None else max(1, int(num_chunks))
+        #: buffers kept from one receive ``into=`` a state to the next (None: RALLYPOINT_HEAL_BUFFERS=0);
+        #: see rallypoint/transports/_pool.py
+        self.receive_pool: ReceivePool | None = ReceivePool() if pool_enabled() else None
         self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN (the job's credential)
         self._tls = tls or tls_config()  # the argument, else RALLYPOINT_TLS_*
         self._max_chunk = max_chunk_bytes
@@ -418,6 +422,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         """Stop serving: close the port and every connection (threads joined up to 10 s when ``wait``)."""
         self._withdraw(why="shutting down")
         self._server.stop(timeout=10.0 if wait else 0.0)
+        if self.receive_pool is not None:
+            self.receive_pool.clear()  # the receive buffers kept for the next heal
 
     # ------------------------------------------------------------------ receiving side
 

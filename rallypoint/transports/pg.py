@@ -63,6 +63,7 @@ from typing import Any, Callable
 
 import torch
 
+from rallypoint.transports._pool import ReceivePool, pool_enabled
 from rallypoint.transports import _tensors as T
 from rallypoint.transports._header import (
     _PREFIX,
@@ -220,6 +221,9 @@ class PGTransport(CheckpointTransport[Any]):
         self._pg = pg
         self._timeout = timeout
         self._device = torch.device(device)
+        #: buffers kept from one receive ``into=`` a state to the next (None: RALLYPOINT_HEAL_BUFFERS=0);
+        #: see rallypoint/transports/_pool.py
+        self.receive_pool: ReceivePool | None = ReceivePool() if pool_enabled() else None
         self._state_dict = state_dict
         self._max_header_bytes = max_header_bytes
         self._abort_on_error = abort_on_error
@@ -234,7 +238,9 @@ class PGTransport(CheckpointTransport[Any]):
         """Nothing to stop: :meth:`send_checkpoint` returns only when it is done."""
 
     def shutdown(self, wait: bool = True) -> None:
-        """The group belongs to the caller; nothing else is held."""
+        """The group belongs to the caller; the receive buffers kept are freed."""
+        if self.receive_pool is not None:
+            self.receive_pool.clear()
 
     # ------------------------------------------------------------------ helpers
 
@@ -407,7 +413,7 @@ class PGTransport(CheckpointTransport[Any]):
                     "the quorum's recovery assignment is stale: rejoin the next quorum"
                 )
             sink = Sink(header, into=into, in_place=in_place, mesh=mesh,
-                        device=self._device if self._on_device else None)
+                        device=self._device if self._on_device else None, pool=self.receive_pool)
             try:
                 self._recv_data(src, header, sink, dl, stats)
             finally:

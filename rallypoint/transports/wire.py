@@ -55,6 +55,12 @@ N bytes of state needs ~N bytes, never a second staging copy of the whole stream
   copied into the matching tensors of ``target`` (each fresh tensor is dropped right after
   its copy). The target is untouched on any error; peak extra memory is the size of the
   state being received.
+* ``into=target, in_place=False, pool=ReceivePool()`` (what the transports pass when
+  receiving ``into=`` a state): as above, but received into the buffers the pool kept from
+  the last receive (mapped already), and at the end each target tensor that owns its
+  storage takes its buffer's memory by swapping data pointers instead of being copied into
+  (the old bytes go back to the pool): no page faults, no second pass, and still nothing
+  written before the whole state verified (:mod:`rallypoint.transports._pool`).
 * ``into=target, in_place=True``: bytes are read directly into the target's tensors
   (matching dtype/shape, CPU, contiguous): no extra memory. Everything checkable before the
   first byte (header, dtypes, shapes, sizes, DTensor meshes) is checked first, but a
@@ -90,6 +96,7 @@ import torch
 
 from rallypoint.transports import _tensors as T
 from rallypoint.transports._crc import crc32
+from rallypoint.transports._pool import ReceivePool, can_swap, swap_into
 from rallypoint.transports._prefault import Prefault
 from rallypoint.transports._header import (  # noqa: F401 - re-exported: wire is the public face
     _PREFIX,
@@ -181,8 +188,9 @@ class Sink:
     """
 
     def __init__(self, header: Header, *, into: Any = None, in_place: bool = False, mesh: Any = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, pool: ReceivePool | None = None) -> None:
         self.header = header
+        self._pool = pool if into is not None and not in_place else None
         self._lock = threading.Lock()
         self._verified = bytearray(len(header.pieces))
         self._nverified = 0
@@ -220,10 +228,14 @@ class Sink:
             direct = ok and in_place and tgt.device == where and tgt.is_contiguous() and not tgt.is_conj()
             if into is not None and not ok:
                 logger.debug("%s: no matching tensor in the target; receiving into a new one", spec.key)
+            kept = self._pool.take(spec.dtype, spec.shape) if self._pool is not None and ok and not spec.device \
+                else None
             if direct:
                 dest = tgt.detach()
             elif spec.device:
                 dest = torch.empty(spec.shape, dtype=spec.dtype, device=where)
+            elif kept is not None:
+                dest = kept  # a buffer of the last receive: mapped already
             else:
                 dest = torch.empty(spec.shape, dtype=spec.dtype)
                 T.advise_huge_pages(dest)
@@ -342,6 +354,7 @@ class Sink:
                 target_modified=self.target_touched,
             )
         leaves: list[Any] = []
+        pool, pooled = self._pool, 0
         with torch.no_grad():
             for spec in self.header.tensors:
                 i = spec.index
@@ -350,8 +363,13 @@ class Sink:
                 if tgt is not None:
                     if self._direct[i]:
                         torch.autograd.graph.increment_version(tgt)
+                    elif pool is not None and can_swap(tgt, dest):
+                        swap_into(tgt, dest)  # no copy: dest now holds the old bytes (_pool.py)
                     else:
                         tgt.copy_(dest)
+                    if pool is not None and not self._direct[i] and dest.device.type == "cpu":
+                        pool.give(dest)  # the next receive's buffer
+                        pooled += spec.nbytes
                     self._dest[i] = None  # drop the staging tensor right away
                     leaves.append(self._target_leaf[i])
                     continue
@@ -376,6 +394,8 @@ class Sink:
                 if spec.param:
                     leaf = torch.nn.Parameter(leaf, requires_grad=True)
                 leaves.append(leaf)
+        if pool is not None:
+            pool.trim(pooled)
         return _build(self.header.tree, leaves)
 
 

@@ -1,0 +1,153 @@
+"""Healing into a warm process (``rallypoint/transports/_pool.py``): a receive ``into=`` a
+state goes into buffers kept from the last receive, is verified whole, and only then lands
+in the caller's tensors by swapping memory (no copy). What a user checks: the model and the
+optimizer hold the sent values, through the very objects they held; the second heal
+reuses the first's buffers; a heal that breaks leaves the model exactly as it was; a tensor
+that does not own its storage is copied into without touching its neighbours."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from rallypoint.transports._pool import ReceivePool, can_swap, pool_enabled, swap_into
+from rallypoint.transports.http import HTTPTransport, TransferError
+
+TEN = timedelta(seconds=10)
+
+
+def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[HTTPTransport, HTTPTransport]]:
+    src = HTTPTransport(TEN, bind="127.0.0.1:0")
+    dst = HTTPTransport(TEN, bind="127.0.0.1:0")
+    yield src, dst
+    src.shutdown()
+    dst.shutdown()
+
+
+def test_heals_land_in_the_models_own_tensors_and_reuse_the_buffers(pair: tuple[HTTPTransport, HTTPTransport]) -> None:
+    src, dst = pair
+    assert dst.receive_pool is not None and pool_enabled({})
+    model, opt = _trained(0)
+    sender_model, sender_opt = _trained(1)
+    params = list(model.parameters())
+    moments = [opt.state[p]["exp_avg"] for p in params]
+    for step in (1, 2, 3):
+        for p in sender_model.parameters():  # the sender trains on between heals
+            p.data.add_(0.5)
+        src.send_checkpoint([1], step, _state(sender_model, sender_opt), TEN)
+        ptrs = [p.data_ptr() for p in params]
+        dst.recv_checkpoint(0, src.metadata(), step, TEN, into=_state(model, opt))
+        src.disallow_checkpoint()
+        # the parameters and the optimizer's moments themselves (not copies) hold the sent values
+        for mine, theirs in zip(model.parameters(), sender_model.parameters()):
+            assert torch.equal(mine, theirs)
+        assert list(model.parameters()) == params and [opt.state[p]["exp_avg"] for p in params] == moments
+        for mine, theirs in zip(moments, [sender_opt.state[p]["exp_avg"] for p in sender_model.parameters()]):
+            assert torch.equal(mine, theirs)
+        assert [p.data_ptr() for p in params] != ptrs  # landed by swapping memory, not copied
+    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(_state(model, opt)))
+    assert dst.receive_pool.reused_bytes >= 2 * state_bytes * 0.9  # heals 2 and 3 took the kept buffers
+    assert dst.receive_pool.kept_bytes() <= state_bytes
+    model(torch.randn(4, 64)).sum().backward()  # autograd still works on the healed parameters
+    opt.step()
+
+
+def test_a_heal_that_breaks_leaves_the_model_as_it_was(pair: tuple[HTTPTransport, HTTPTransport]) -> None:
+    src, dst = pair
+    model, opt = _trained(0)
+    sender_model, sender_opt = _trained(1)
+    src.send_checkpoint([1], 1, _state(sender_model, sender_opt), TEN)
+    dst.recv_checkpoint(0, src.metadata(), 1, TEN, into=_state(model, opt))  # buffers are kept now
+    src.disallow_checkpoint()
+    before = [t.clone() for t in _tensors(_state(model, opt))]
+
+    class Broken(HTTPTransport):
+        def _pieces(self, *a: Any, **kw: Any) -> Any:  # the last piece of every body has a flipped bit
+            pieces = list(super()._pieces(*a, **kw))
+            last = bytearray(pieces[-1])
+            last[len(last) // 2] ^= 0x10
+            yield from [*pieces[:-1], memoryview(last)]
+
+    bad = Broken(TEN, bind="127.0.0.1:0")
+    try:
+        bad.send_checkpoint([1], 2, _state(*_trained(2)), TEN)
+        with pytest.raises(TransferError, match="checksum mismatch"):  # in the data, after the header
+            dst.recv_checkpoint(0, bad.metadata(), 2, timedelta(seconds=3), into=_state(model, opt))
+    finally:
+        bad.shutdown()
+    after = _tensors(_state(model, opt))
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_a_view_is_copied_into_and_its_neighbours_stay() -> None:
+    flat = torch.arange(10.0)
+    view = flat[2:6]
+    assert not can_swap(view, torch.zeros(4))  # an offset into a larger storage
+    assert not can_swap(flat[::2], torch.zeros(5))  # not contiguous
+    assert not can_swap(torch.zeros(4), torch.zeros(5))  # sizes differ
+    shared = torch.zeros(4).share_memory_()
+    assert not can_swap(shared, torch.zeros(4)) and not can_swap(torch.zeros(4), shared)
+    a, b = torch.zeros(4), torch.ones(4)
+    assert can_swap(a, b)
+    alias = a.detach()
+    swap_into(a, b)
+    assert torch.equal(alias, torch.ones(4)) and torch.equal(b, torch.zeros(4))  # every alias sees it
+
+
+def test_a_view_target_over_http_is_filled_without_touching_the_rest(pair: tuple[HTTPTransport, HTTPTransport]) -> None:
+    src, dst = pair
+    flat = torch.zeros(1000)
+    target = {"w": flat[100:600].view(20, 25), "b": torch.zeros(7)}
+    sent = {"w": torch.randn(20, 25), "b": torch.randn(7)}
+    src.send_checkpoint([1], 4, sent, TEN)
+    out = dst.recv_checkpoint(0, src.metadata(), 4, TEN, into=target)
+    assert out["w"] is target["w"] and torch.equal(flat[100:600].view(20, 25), sent["w"])
+    assert not flat[:100].any() and not flat[600:].any()
+    assert torch.equal(target["b"], sent["b"])
+
+
+def test_the_pool_keeps_one_receive_worth_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ReceivePool()
+    assert pool.take(torch.float32, (4,)) is None
+    for n in (4, 4, 8):
+        pool.give(torch.zeros(n))
+    pool.trim(48)  # this receive used 48 bytes: a 16-byte and the 32-byte buffer... at most 48 kept
+    assert pool.kept_bytes() <= 48
+    got = pool.take(torch.float32, (2, 2))
+    assert got is not None and got.shape == (2, 2) and got.dtype == torch.float32 and pool.reused_bytes == 16
+    pool.clear()
+    assert pool.kept_bytes() == 0
+    monkeypatch.setenv("RALLYPOINT_HEAL_BUFFERS", "0")
+    t = HTTPTransport(TEN, bind="127.0.0.1:0")
+    try:
+        assert t.receive_pool is None
+    finally:
+        t.shutdown()
