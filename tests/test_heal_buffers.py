@@ -16,6 +16,7 @@ import torch
 
 from rallypoint.transports._pool import ReceivePool, can_swap, pool_enabled, swap_into
 from rallypoint.transports.http import HTTPTransport, TransferError
+from test_pg_transport import tensors_of
 
 TEN = timedelta(seconds=10)
 
@@ -31,16 +32,6 @@ def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {"model": model.state_dict(), "optim": opt.state_dict()}
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    return []
 
 
 @pytest.fixture
@@ -73,7 +64,7 @@ def test_heals_land_in_the_models_own_tensors_and_reuse_the_buffers(pair: tuple[
         for mine, theirs in zip(moments, [sender_opt.state[p]["exp_avg"] for p in sender_model.parameters()]):
             assert torch.equal(mine, theirs)
         assert [p.data_ptr() for p in params] != ptrs  # landed by swapping memory, not copied
-    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(_state(model, opt)))
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors_of(_state(model, opt)))
     assert dst.receive_pool.reused_bytes >= 2 * state_bytes * 0.9  # heals 2 and 3 took the kept buffers
     assert dst.receive_pool.kept_bytes() <= state_bytes
     model(torch.randn(4, 64)).sum().backward()  # autograd still works on the healed parameters
@@ -87,7 +78,7 @@ def test_a_heal_that_breaks_leaves_the_model_as_it_was(pair: tuple[HTTPTransport
     src.send_checkpoint([1], 1, _state(sender_model, sender_opt), TEN)
     dst.recv_checkpoint(0, src.metadata(), 1, TEN, into=_state(model, opt))  # buffers are kept now
     src.disallow_checkpoint()
-    before = [t.clone() for t in _tensors(_state(model, opt))]
+    before = [t.clone() for t in tensors_of(_state(model, opt))]
 
     class Broken(HTTPTransport):
         def _pieces(self, *a: Any, **kw: Any) -> Any:  # the last piece of every body has a flipped bit
@@ -103,7 +94,7 @@ def test_a_heal_that_breaks_leaves_the_model_as_it_was(pair: tuple[HTTPTransport
             dst.recv_checkpoint(0, bad.metadata(), 2, timedelta(seconds=3), into=_state(model, opt))
     finally:
         bad.shutdown()
-    after = _tensors(_state(model, opt))
+    after = tensors_of(_state(model, opt))
     assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
 
 
