@@ -216,3 +216,26 @@ def test_the_ledger_counts_every_round_of_a_batched_report() -> None:
     led.round("g", sg.StepStats(step=31, outcome="committed", compute_s=0.03, step_s=0.1, rounds=32), 1.0)
     led.round("g", sg.StepStats(step=32, outcome="committed", compute_s=0.001, step_s=0.003), 1.1)
     assert led.groups[gl.group_of("g")].totals.rounds["committed"] == 33
+
+
+def test_an_error_acting_on_a_leased_quorum_fails_the_step_not_the_call(pair: Any) -> None:
+    """What the training thread does with a leased answer can fail (a configure, say): as on
+    the quorum thread, the step fails and the next one recovers; start_quorum() never raises."""
+    pair.steps(4)
+    m = pair.ms[0]
+    real = m._took_quorum
+    calls = [0]
+
+    def once(*a: Any, **kw: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("boom while acting on the quorum")
+        real(*a, **kw)
+
+    m._took_quorum = once
+    pair.until(10)
+    assert calls[0] >= 2
+    failed = [r for r in m.step_records() if r.outcome == "failed"]
+    assert failed and "boom while acting on the quorum" in (failed[0].error or ""), failed
+    for a, b in zip(pair.models[0].parameters(), pair.models[1].parameters()):
+        assert torch.equal(a, b)

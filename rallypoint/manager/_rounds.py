@@ -85,7 +85,7 @@ class QuorumRounds:
             q = leased(self._group_rank, self._step, self._transport.metadata(), shrink_only,
                        commit_failures=self._commit_failures, init_sync=self._init_sync, step_stats=stats,
                        **self._configurer.quorum_kwargs(leased))
-        except ValueError as e:  # not a member of its own lease: the lighthouse's path says why
+        except Exception as e:  # noqa: BLE001 - e.g. not a member of its own lease: the lighthouse's path says why
             self._log.warning("leased quorum refused (%s); asking the lighthouse", e)
             return None
         if q is None:
@@ -93,9 +93,12 @@ class QuorumRounds:
         fut: cf.Future = cf.Future()
         try:
             self._took_quorum(rnd, q, allow_heal)
+        except Exception as e:  # noqa: BLE001 - as on the quorum thread: reported by _wait_future
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
         finally:
             self._ff.setup_done()
-            fut.set_result(None)
         return fut
 
     def _quorum_round(self, rnd: _Round, allow_heal: bool, shrink_only: bool, timeout: timedelta,
