@@ -395,6 +395,24 @@ def replicas_factory(tmp_path: Path) -> Iterator[Callable[[Any], Any]]:
 
 
 @pytest.fixture
+def ddp_replicas(tmp_path: Path) -> Iterator[Callable[[Any], Any]]:
+    """``ddp_replicas(lighthouse)`` -> a ``ddp_worker.DDPReplicas`` (replica groups training
+    under rallypoint's DDP) whose workers are SIGKILLed by pid and reaped at teardown."""
+    from ddp_worker import DDPReplicas
+
+    made: list[DDPReplicas] = []
+
+    def make(lh: Any) -> DDPReplicas:
+        r = DDPReplicas(tmp_path, lh.address())
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.kill_all()
+
+
+@pytest.fixture
 def mesh1() -> Iterator[Any]:
     """A 1-rank gloo world and a 1-D CPU device mesh in this process (FSDP2/DTensor tests),
     torn down afterwards; skips where gloo is missing or a process group already exists."""

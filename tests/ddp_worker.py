@@ -21,6 +21,7 @@ Options (a JSON object on the command line):
 - ``standby``: import everything, then wait (at most ``LIMIT_S``) for a line on stdin
   before joining: the test starts the victim's replacement early, so its restart is
   not delayed by seconds of importing torch on a busy machine.
+- ``sdc``/``sdc_every``: the manager's corruption checks (``sdc_check``/``sdc_check_every``).
 - ``delay``: seconds between steps (paces replicas so they overlap); ``timeout``: the
   manager's collective timeout in seconds.
 """
@@ -111,6 +112,7 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
         pg=pg, load_state_dict=load, state_dict=save, min_replica_size=1, rank=0, world_size=1,
         store_addr="127.0.0.1", lighthouse_addr=lighthouse, replica_id=name, hostname="127.0.0.1",
         timeout=timeout, quorum_timeout=2 * timeout, connect_timeout=timedelta(seconds=10),
+        sdc_check=bool(opts.get("sdc", False)), sdc_check_every=int(opts.get("sdc_every", 0)),
     )
     fault = opts.get("fault")
     hook_manager: Any = DyingManager(m, int(fault["step"]), int(fault.get("participants", 1))) if fault else m
@@ -144,7 +146,7 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
             if committed:
                 opt.step()
             history.append([m.current_step(), participants, int(committed)])
-            _write(out, m, model, history, buckets=ddp.buckets_reduced)
+            _write(out, m, model, history, buckets=ddp.buckets_reduced, early_exchanges=m._guard.early_exchanges)
             time.sleep(delay)  # paces the replicas so they overlap; not a wait for an event
     finally:
         ddp.shutdown()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -175,22 +174,6 @@ def test_rejects_bucket_rebuilding_options(solo: Any) -> None:
         DistributedDataParallel(object(), _mlp(0), static_graph=True)
     with pytest.raises(ValueError, match="device_mesh"):
         DistributedDataParallel(object(), _mlp(0), device_mesh=None)
-
-
-@pytest.fixture
-def ddp_replicas(tmp_path: Path) -> Iterator[Any]:
-    """``ddp_replicas(lighthouse)`` -> DDPReplicas whose workers are SIGKILLed by pid and
-    reaped at teardown."""
-    made: list[DDPReplicas] = []
-
-    def make(lh: Any) -> DDPReplicas:
-        r = DDPReplicas(tmp_path, lh.address())
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.kill_all()
 
 
 def _committed_without(r: DDPReplicas, names: list[str], after: dict[str, int], members: int) -> bool:

@@ -488,6 +488,56 @@ def test_exchange_timeout_then_completes(gloo3: dict[int, Any]) -> None:
     assert pending[1].wait(TIMEOUT) == [[1.0]] * 3
 
 
+def _quorum(r: int, step: int) -> Any:
+    from rallypoint.manager.recovery import QuorumResult
+
+    return QuorumResult(quorum_id=7, replica_rank=r, replica_world_size=WORLD, recover_src_manager_address="",
+                        recover_src_replica_rank=None, recover_dst_replica_ranks=[], store_address="",
+                        max_step=step, max_replica_rank=None, max_world_size=WORLD, heal=False, commit_failures=0,
+                        replica_ids=[f"g{q}" for q in range(WORLD)])
+
+
+class _Posted:
+    """What the Manager's FailFast gives the guard: ``add_work(start)`` posts."""
+
+    def add_work(self, start: Callable[[], Any]) -> Any:
+        return start()
+
+
+def test_guard_exchange_posted_behind_the_gradients(gloo3: dict[int, Any]) -> None:
+    """``post_early`` (the DDP wrapper's last bucket) posts the row at once; tensors
+    allreduced after it (a logged loss) do not count; ``check`` then only waits, and every
+    group reaches the same verdict naming the corrupt one. A round without an early post
+    still exchanges in ``check`` (the fallback every other integration uses)."""
+    import logging
+
+    from rallypoint.manager._guard import SdcGuard
+
+    log = logging.LoggerAdapter(logging.getLogger("test"), {})
+    guards_ = {r: SdcGuard(True, 0, log) for r in range(WORLD)}
+    for r, g in guards_.items():
+        g.new_round()
+        g.observe(torch.full((1000,), 1e6 if r == 2 else 0.01), contributes=True)
+
+    def early(r: int) -> tuple[str | None, dict[str, Any]]:
+        g = guards_[r]
+        g.post_early(gloo3[r], _quorum(r, 5), True, f"g{r}", _Posted())
+        g.observe(torch.full((4,), 1e9), contributes=True)  # after the ride: not this round's
+        return g.check(gloo3[r], _quorum(r, 5), True, TIMEOUT, f"g{r}")
+
+    out = _on_ranks(early)
+    for r in range(WORLD):
+        why, done = out[r]
+        assert why is not None and "g2 (outlier" in why, why
+        assert done["sdc_bad"] == ["g2"] and guards_[r].early_exchanges == 1
+    for r, g in guards_.items():  # the next round, with no early post: exchanged in check
+        g.new_round()
+        g.observe(torch.full((1000,), 0.01 * (r + 1)), contributes=True)
+    out = _on_ranks(lambda r: guards_[r].check(gloo3[r], _quorum(r, 6), True, TIMEOUT, f"g{r}"))
+    assert all(why is None for why, _ in out.values()), out
+    assert all(g.early_exchanges == 1 for g in guards_.values())
+
+
 class _FakeWork:
     def __init__(self, result: bool | Exception) -> None:
         self.result = result

@@ -120,6 +120,7 @@ class _BucketAverager:
         self.buckets = 0  # buckets handed to the hook so far (tests and logs read it)
         self.failures = 0  # buckets whose allreduce raised outside the manager's handling
         self.group_failures = 0  # buckets whose in-group allreduce failed
+        self._posted: Callable[[], None] | None = getattr(manager, "gradients_posted", None)  # rallypoint's Manager
 
     def _record(self, e: BaseException) -> None:
         """Route ``e`` to the manager so the step does not commit; never raise."""
@@ -142,17 +143,17 @@ class _BucketAverager:
                 "hung; the group cannot go on without it and must restart as a whole (rallypoint run and "
                 "torchrun restart it), then it heals from the other groups"))
 
-    def _after_group(self, item: tuple[Waitable, torch.Tensor, torch.futures.Future]) -> None:
-        work, buffer, fut = item
+    def _after_group(self, item: tuple[Waitable, torch.Tensor, torch.futures.Future, bool]) -> None:
+        work, buffer, fut, last = item
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001 - reported, and raised out of backward by the future
             self._group_failed(e, fut)
             return
-        self._post_cross(buffer, fut)
+        self._post_cross(buffer, fut, last)
 
     # ---------------------------------------------------------------- level 2: the groups
-    def _post_cross(self, buffer: torch.Tensor, fut: torch.futures.Future) -> None:
+    def _post_cross(self, buffer: torch.Tensor, fut: torch.futures.Future, last: bool) -> None:
         try:
             work = self.manager.allreduce(buffer, reduce_op=AVG)
         except Exception as e:  # noqa: BLE001 - never raise out of backward
@@ -160,6 +161,14 @@ class _BucketAverager:
             self._record(e)
             fut.set_result(buffer)
             return
+        if last and self._posted is not None:
+            # Before the future can complete (backward returns once it has): the manager's
+            # corruption checks post their exchange right behind this bucket.
+            try:
+                self._posted()
+            except Exception as e:  # noqa: BLE001 - never raise out of backward
+                log.warning("the corruption checks' exchange could not be posted: %s", e)
+                self._record(e)
         if not self._cross.submit((work, buffer, fut)):
             self._after_cross((work, buffer, fut))  # shut down: wait on this thread instead
 
@@ -175,14 +184,15 @@ class _BucketAverager:
             if not fut.done():
                 fut.set_result(buffer)
 
-    def average(self, buffer: torch.Tensor) -> torch.futures.Future:
+    def average(self, buffer: torch.Tensor, last: bool = False) -> torch.futures.Future:
         """Post the mean of ``buffer`` over every rank of every participating group; a
         future that completes with ``buffer`` (averaged on success, not on a failure
-        across groups) or fails (a failure inside the group)."""
+        across groups) or fails (a failure inside the group). ``last``: the step's last
+        bucket (the manager hears when it is posted: ``gradients_posted``)."""
         self.buckets += 1
         fut: torch.futures.Future = torch.futures.Future()
         if self.group is None:
-            self._post_cross(buffer, fut)
+            self._post_cross(buffer, fut, last)
             return fut
         try:
             buffer.div_(self.group_size)  # before the sum, as torch's allreduce hook (no overflow in low precision)
@@ -192,8 +202,8 @@ class _BucketAverager:
         except Exception as e:  # noqa: BLE001 - reported, and raised out of backward by the future
             self._group_failed(e, fut)
             return fut
-        if not self._intra.submit((work, buffer, fut)):
-            self._after_group((work, buffer, fut))
+        if not self._intra.submit((work, buffer, fut, last)):
+            self._after_group((work, buffer, fut, last))
         return fut
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -209,7 +219,7 @@ def _manager_comm_hook(state: _BucketAverager, bucket: dist.GradBucket) -> torch
     module) because DDP compares them with ``dist.GradBucket`` and
     ``Future[Tensor]`` at registration.
     """
-    return state.average(bucket.buffer())
+    return state.average(bucket.buffer(), bucket.is_last())
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):

@@ -54,6 +54,15 @@ CHECK_EVERY_ENV = "RALLYPOINT_SDC_CHECK_EVERY"
 SDC_PREFIX = "silent data corruption"
 
 
+class _Early:
+    """An exchange posted behind the round's last gradient bucket (:meth:`SdcGuard.post_early`)."""
+
+    def __init__(self, values: list[float], do_hash: bool, step: int) -> None:
+        self.values, self.do_hash, self.step = values, do_hash, step
+        self.pending: Any = None
+        self.error: Exception | None = None
+
+
 class SdcGuard:
     """One rank's corruption checks (see the module docstring)."""
 
@@ -74,6 +83,9 @@ class SdcGuard:
         self._last_hash_step = -1
         self._sit_out: frozenset[str] = frozenset()  # repeat offenders: sit out the next round and heal
         self._warned_no_params = False
+        self._early: _Early | None = None  # this round's exchange, posted behind its last gradient bucket
+        self._device_hint: torch.device | None = None
+        self.early_exchanges = 0  # rounds whose exchange rode behind the gradients (tests, logs)
 
     @classmethod
     def from_settings(cls, grad_check: bool | None, check_every: int | None, log: logging.LoggerAdapter) -> "SdcGuard":
@@ -88,6 +100,28 @@ class SdcGuard:
             except ValueError:
                 raise ValueError(f"{CHECK_EVERY_ENV} must be a whole number of steps (0: off), got {raw!r}") from None
         return cls(grad_check, check_every, log)
+
+    def post_early(self, pg: Any, q: QuorumResult, state_ok: bool, replica_id: str, failfast: Any) -> None:
+        """Post this round's exchange now, right behind its last gradient bucket (the
+        DDP wrapper says when, through ``Manager.gradients_posted``): it rides the same
+        queue of collectives as the gradients and is done by the time ``should_commit``
+        looks at it, instead of costing a round trip of its own there. Norms of tensors
+        allreduced after this (a logged loss) are not part of this round's check. A
+        failure to post is kept and reported by :meth:`check_round`."""
+        if self._early is not None:
+            return
+        early = _Early(*self._row(q, state_ok))
+        self._early = early
+        self.early_exchanges += 1
+        try:
+            early.pending = self._post(pg, q, early.values, failfast.add_work, replica_id)
+        except Exception as e:  # noqa: BLE001 - reported by check_round, on the training thread
+            early.error = e
+
+    def drop_early(self) -> None:
+        """Forget an exchange posted for this round (it is not waited for: the round
+        failed, and aborting the process group ends it)."""
+        self._early = None
 
     def check_round(self, pg: Any, q: QuorumResult, state_ok: bool, timeout: timedelta,
                     replica_id: str, failfast: Any) -> dict[str, Any]:
@@ -118,33 +152,37 @@ class SdcGuard:
     def new_round(self) -> None:
         with self._lock:
             self._norms = []
+            self._early = None
 
     def observe(self, tensor: torch.Tensor, contributes: bool) -> None:
         """Note the norm of a tensor about to be allreduced (called before it is posted:
         the collective changes it in place). ``contributes``: it holds this replica's own
         gradient (a healing, spare or sitting-out replica sends zeros: no norm, or its zero
         would look like an outlier)."""
-        if self.grad_check and contributes and tensor.is_floating_point():
-            norm = grad_norm_tensor([tensor.detach()])
+        if self.grad_check and contributes and tensor.is_floating_point() and self._early is None:
+            t = tensor.detach()
+            if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.is_contiguous():
+                flat = t.view(-1)  # one BLAS dot: ~20% faster than a norm kernel on CPU
+                norm = torch.dot(flat, flat).sqrt().to(torch.float64)
+            else:
+                norm = grad_norm_tensor([t])
             with self._lock:
                 self._norms.append(norm)
 
-    def _device(self, pg: Any, norms: list[torch.Tensor]) -> torch.device | None:
+    def _device(self, pg: Any, grads: torch.device | None) -> torch.device | None:
         """Where the exchange's tensor lives: the parameters' (or gradients') device, so an
         NCCL group gets a CUDA tensor; every member decides alike (same model, same group)."""
         if self._params:
             return self._params[0].device
-        if norms:
-            return norms[0].device
+        if grads is not None:
+            return grads
         if "nccl" in type(pg).__name__.lower() and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return None
 
-    def check(self, pg: Any, q: QuorumResult, state_ok: bool, timeout: timedelta,
-              replica_id: str, post: Any = None) -> tuple[str | None, dict[str, Any]]:
-        """Exchange this round's rows and decide. Returns ``(why this replica must vote
-        false, or None; what was checked, for the round's record)``. ``state_ok``: its
-        parameters are the step's (it did not heal in this round)."""
+    def _row(self, q: QuorumResult, state_ok: bool) -> tuple[list[float], bool, int]:
+        """This replica's row ``[norm valid, norm, hash valid, hash hi, hash lo]``, whether
+        the parameters are hashed this round, and the step it is about."""
         step = q.max_step
         do_hash = self.check_every > 0 and guards.should_check_params(step, self.check_every) \
             and step != self._last_hash_step
@@ -161,8 +199,11 @@ class SdcGuard:
                 self._warned_no_params = True
                 self._log.warning("sdc_check_every is set but no parameters were registered (register_sdc_params, "
                                   "or rallypoint's DistributedDataParallel): the parameter check is skipped")
-        values = [valid_norm, norm, valid_hash, h_hi, h_lo]
-        device = self._device(pg, norms)
+        self._device_hint = norms[0].device if norms else None
+        return [valid_norm, norm, valid_hash, h_hi, h_lo], do_hash, step
+
+    def _post(self, pg: Any, q: QuorumResult, values: list[float], post: Any, replica_id: str) -> Any:
+        device = self._device(pg, self._device_hint)
 
         def start() -> Any:
             return start_exchange(pg, q.replica_rank, q.replica_world_size, values, device=device)
@@ -171,6 +212,22 @@ class SdcGuard:
         pending = post(start) if post is not None else start()
         if pending is None:
             raise SdcExchangeError(f"SDC check exchange at replica {replica_id} not started: a quorum member is gone")
+        return pending
+
+    def check(self, pg: Any, q: QuorumResult, state_ok: bool, timeout: timedelta,
+              replica_id: str, post: Any = None) -> tuple[str | None, dict[str, Any]]:
+        """Exchange this round's rows (or wait for the exchange :meth:`post_early` posted)
+        and decide. Returns ``(why this replica must vote false, or None; what was
+        checked, for the round's record)``. ``state_ok``: its parameters are the step's
+        (it did not heal in this round)."""
+        early, self._early = self._early, None
+        if early is not None:
+            if early.error is not None:
+                raise early.error
+            values, do_hash, step, pending = early.values, early.do_hash, early.step, early.pending
+        else:
+            values, do_hash, step = self._row(q, state_ok)
+            pending = self._post(pg, q, values, post, replica_id)
         rows = pending.wait(timeout)
         done: dict[str, Any] = {"sdc_checked": ["grad"] + (["param"] if do_hash else [])}
         why: str | None = None
@@ -216,8 +273,8 @@ class SdcGuard:
                     why = why or msg + "; no majority: the step fails everywhere"
                 elif q.replica_rank in hv.minority:
                     why = why or msg + f"; replica {replica_id} heals from the majority"
-        if why is not None and not math.isfinite(norm):
-            done["sdc_norm"] = str(norm)
+        if why is not None and not math.isfinite(values[1]):
+            done["sdc_norm"] = str(values[1])
         return why, done
 
 

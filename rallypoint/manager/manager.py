@@ -366,6 +366,22 @@ class Manager(GroupConnection, QuorumRounds, TorchftApi):
                                                              divisor))
         return DoneWork(tensor) if managed is None else managed
 
+    def gradients_posted(self) -> None:
+        """The step's gradient allreduces are all posted (rallypoint's DDP calls this after
+        its last bucket's). With the corruption checks on, their exchange is posted now,
+        right behind the gradients, and ``should_commit`` only reads its result instead of
+        paying a round trip of its own. Every replica group must use the same wrapper (the
+        exchange's place among the collectives must match)."""
+        if self._guard.enabled and self._checks_exchange(self._cur):
+            assert self._last_quorum is not None
+            self._guard.post_early(self._pg, self._last_quorum, not self._cur.rec.healing, self._replica_id, self._ff)
+
+    def _checks_exchange(self, rnd: _Round) -> bool:
+        """Whether this round's corruption checks exchange rows: not after skipping its
+        collectives (the peers are still in those) nor once the process group failed."""
+        return rnd.rec.quorum_id is not None and self._last_quorum is not None and not rnd.skipped \
+            and self._pg.errored() is None
+
     def _quorum_size(self) -> int:
         q = self._last_quorum
         return q.replica_world_size if q is not None else 0
@@ -378,12 +394,13 @@ class Manager(GroupConnection, QuorumRounds, TorchftApi):
             raise RuntimeError("should_commit() called before start_quorum()")
         self._wait_future()
         rnd = self._cur
-        if self._guard.enabled and rnd.rec.quorum_id is not None and self._last_quorum is not None \
-                and not rnd.skipped and self._pg.errored() is None:
-            # Before a training-thread heal, so no peer waits in the exchange for it; not after
-            # skipping this round's collectives, whose peers are still in those.
+        if self._guard.enabled and self._checks_exchange(rnd):
+            # Before a training-thread heal, so no peer waits in the exchange for it.
+            assert self._last_quorum is not None
             rnd.rec.extra.update(self._guard.check_round(self._pg, self._last_quorum, not rnd.rec.healing,
                                                          self._timeout, self._replica_id, self._ff))
+        else:
+            self._guard.drop_early()
         self._heal_here()
         rnd.rec.commit_started = time.monotonic()
         pg_err = self._pg.errored()

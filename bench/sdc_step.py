@@ -1,0 +1,215 @@
+"""The corruption checks' cost inside a real training step: ``Manager`` + rallypoint's
+``DistributedDataParallel``, checks on vs off, in the same processes.
+
+Two replica groups (two worker processes, one rank each, gloo on CPU over loopback, our
+``LighthouseServer`` in this process with quorum leases) train the 1.3 M-parameter MLP of
+``bench/step_overhead.py`` (batch 32x512, SGD, one torch thread) with the loop a user
+writes: ``start_quorum``, forward, backward (DDP hands its buckets to the manager),
+``if should_commit(): opt.step()``. The checks' mode changes step by step, the same on
+both groups, rotated every round so each mode sees the same load:
+
+- ``off``: no checks (``sdc_check=False``, ``sdc_check_every=0``);
+- ``ride``: the gradient-norm check every step and the parameter hash every
+  ``--check-every`` committed steps, the rows' exchange posted right behind the last
+  gradient bucket (``Manager.gradients_posted``, what the DDP wrapper does);
+- ``commit``: the same checks with the exchange posted in ``should_commit`` (what a loop
+  without rallypoint's DDP gets): the extra round trip the ride removes.
+
+The mode is switched by setting the manager's guard attributes between steps (a bench
+only; a job sets ``sdc_check``/``sdc_check_every`` once). Marginal cost of a mode = the
+median over rounds of (its step time - the ``off`` step next to it); the goal (issue 39:
+the checks cost <= 2% of the MLP step) is ``(ride marginal + param_hash / check_every) /
+off``, with ``param_hash`` the hash of the model measured in the worker (the median step
+hides the one hashed step in ``check_every``). torchft has no such checks: nothing to
+compare against. Prints a table and one JSON line ``{"bench": "sdc_step", ...}``.
+
+    .venv/bin/python bench/sdc_step.py            # ~1 minute
+    .venv/bin/python bench/sdc_step.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _util  # noqa: E402
+from _util import Child, close_all, median, percentile, ratio, table  # noqa: E402
+
+MODES = ("off", "ride", "commit")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _out(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _worker(plan: dict[str, Any]) -> None:
+    import logging
+
+    _util.exit_with_parent()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+    from torch import nn
+
+    from rallypoint.integrations import DistributedDataParallel
+    from rallypoint.manager import Manager
+    from rallypoint.manager._sdc import param_hash
+    from rallypoint.process_groups import ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    rank = plan["rank"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 512))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 512, generator=torch.Generator().manual_seed(rank))
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        os.environ.pop(k, None)
+    timeout = timedelta(seconds=plan["op_timeout_s"])
+    m = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=lambda sd: model.load_state_dict(sd),
+                state_dict=model.state_dict, min_replica_size=2, rank=0, world_size=1,
+                lighthouse_addr=plan["lighthouse"], replica_id=f"replica{rank}", store_addr="127.0.0.1",
+                hostname="127.0.0.1", timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                sdc_check=True, sdc_check_every=plan["check_every"])
+    ddp = DistributedDataParallel(m, model)
+    guard, averager = m._guard, ddp._averager
+    posted = averager._posted
+
+    def set_mode(mode: str) -> None:
+        guard.grad_check = mode != "off"
+        guard.check_every = 0 if mode == "off" else plan["check_every"]
+        averager._posted = posted if mode == "ride" else None
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        m.start_quorum()
+        opt.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        if m.should_commit():
+            opt.step()
+        return time.perf_counter() - t0
+
+    for i in range(plan["warmup"]):
+        set_mode(MODES[i % len(MODES)])
+        step()
+    samples: dict[str, list[float]] = {mode: [] for mode in MODES}
+    early0, commits0 = guard.early_exchanges, m.current_step()
+    for r in range(plan["rounds"]):
+        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        for _ in range(plan["per_round"]):
+            for mode in order:
+                set_mode(mode)
+                samples[mode].append(step())
+    params = list(model.parameters())
+    hashes = []
+    for _ in range(9):
+        t0 = time.perf_counter()
+        param_hash(params)
+        hashes.append(time.perf_counter() - t0)
+    _out({"result": {"rank": rank, "samples": samples, "param_hash_s": median(hashes),
+                     "early_exchanges": guard.early_exchanges - early0, "committed": m.current_step() - commits0,
+                     "steps": sum(len(v) for v in samples.values())}})
+    sys.stdin.readline()  # the parent's go: never leave the peer mid-step
+    ddp.shutdown()
+    m.shutdown(wait=False)
+    _out({"bye": rank})
+    os._exit(0)
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        _worker(json.loads(sys.argv[2]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run")
+    ap.add_argument("--rounds", type=int, help="rounds, each mode first in turn (default 12, quick 3)")
+    ap.add_argument("--per-round", type=int, default=10, help="steps of each mode per round (default 10)")
+    ap.add_argument("--check-every", type=int, default=100, help="sdc_check_every (default 100)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds the workers may take")
+    ap.add_argument("--out", help="also write the JSON line to this file")
+    args = ap.parse_args()
+    from rallypoint.lighthouse.server import LighthouseServer
+
+    plan = {"rounds": args.rounds or (3 if args.quick else 12), "per_round": args.per_round, "warmup": 15,
+            "check_every": args.check_every, "op_timeout_s": 30.0}
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000, heartbeat_timeout_ms=5000)
+    port = int(lh.address().rsplit(":", 1)[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "RALLYPOINT_LIGHTHOUSE", "RALLYPOINT_SDC_CHECK",
+              "RALLYPOINT_SDC_CHECK_EVERY"):
+        env.pop(k, None)
+    children: list[Child] = []
+    t_start = time.perf_counter()
+    try:
+        for rank in range(2):
+            wplan = dict(plan, rank=rank, lighthouse=f"http://127.0.0.1:{port}")
+            children.append(Child([sys.executable, __file__, "--worker", json.dumps(wplan)], name=f"sdc-step-{rank}",
+                                  env=env, cwd=str(REPO)))
+        results = []
+        for c in children:
+            end = time.monotonic() + args.timeout
+            while True:
+                obj = c.recv(max(1.0, end - time.monotonic()))
+                if isinstance(obj, dict) and "result" in obj:
+                    results.append(obj["result"])
+                    break
+        for c in children:
+            c.send({"cmd": "exit"})
+    finally:
+        close_all(children)
+        lh.shutdown()
+    wall = time.perf_counter() - t_start
+
+    # A step's time: the mean of the two ranks' (they wait for each other in the allreduce).
+    steps = {mode: [(a + b) / 2 * 1e3 for a, b in zip(*(r["samples"][mode] for r in results))] for mode in MODES}
+    med = {mode: median(v) for mode, v in steps.items()}
+    p90 = {mode: percentile(v, 90) for mode, v in steps.items()}
+    per = plan["per_round"]
+    marginal = {mode: median([median(steps[mode][i:i + per]) - median(steps["off"][i:i + per])
+                              for i in range(0, len(steps["off"]), per)]) for mode in ("ride", "commit")}
+    hash_ms = max(r["param_hash_s"] for r in results) * 1e3
+    off = med["off"]
+    ratios: dict[str, float | None] = {
+        "ride_marginal_vs_off": ratio(marginal["ride"], off),
+        "commit_marginal_vs_off": ratio(marginal["commit"], off),
+        "param_hash_vs_off": ratio(hash_ms, off),
+        f"checks_every_{args.check_every}_ride_vs_off": ratio(max(marginal["ride"], 0.0) + hash_ms / args.check_every,
+                                                              off),
+        f"checks_every_{args.check_every}_commit_vs_off": ratio(
+            max(marginal["commit"], 0.0) + hash_ms / args.check_every, off),
+    }
+    goal_key = f"checks_every_{args.check_every}_ride_vs_off"
+    goal = ratios[goal_key]
+    out = {"plan": plan, "median_ms": med, "p90_ms": p90, "marginal_ms": marginal, "param_hash_ms": hash_ms,
+           "early_exchanges": [r["early_exchanges"] for r in results], "committed": [r["committed"] for r in results],
+           "steps": [r["steps"] for r in results], "goals": {goal_key: goal is not None and goal <= 0.02}}
+    print(f"SDC checks in a real step: Manager + rallypoint DDP, MLP 1,312,768 params, batch 32x512, SGD, 1 torch "
+          f"thread, 2 replica groups on gloo loopback; {plan['rounds']} rounds x {per} steps per mode, rotated; "
+          f"load {os.getloadavg()[0]:.2f}; {wall:.1f} s")
+    rows = [[mode, f"{med[mode]:.3f}", f"{p90[mode]:.3f}",
+             "" if mode == "off" else f"{marginal[mode]:+.3f}",
+             "" if mode == "off" else f"{marginal[mode] / off * 100:+.2f}%"] for mode in MODES]
+    rows.append(["param_hash", f"{hash_ms:.3f}", "", f"/{args.check_every}", f"{hash_ms / args.check_every / off * 100:.2f}%"])
+    print(table(["mode", "median ms/step", "p90 ms", "marginal ms", "% of off"], rows))
+    print(f"exchanges that rode behind the gradients: {out['early_exchanges']} (ride steps: "
+          f"{plan['rounds'] * per}); committed steps {out['committed']} of {out['steps']}")
+    print(f"goal: {goal_key} <= 0.02: {'met' if out['goals'][goal_key] else 'NOT met'} "
+          f"({'-' if goal is None else f'{goal:.4f}'})")
+    line = json.dumps({"bench": "sdc_step", "quick": args.quick, "results": out, "ratios": ratios})
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
