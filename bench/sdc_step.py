@@ -114,7 +114,21 @@ def _worker(plan: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         param_hash(params)
         hashes.append(time.perf_counter() - t0)
+    # The machine's part: one pass over the gradients' bytes for their norm, as the check
+    # does it (one dot per flat bucket), once the bytes left the cache and while they are hot.
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    evict = torch.empty(16 * 2**20)  # 64 MiB: larger than this machine's caches
+    cold, hot = [], []
+    for _ in range(9):
+        evict.fill_(1.0)
+        t0 = time.perf_counter()
+        torch.dot(flat, flat)
+        cold.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        torch.dot(flat, flat)
+        hot.append(time.perf_counter() - t0)
     _out({"result": {"rank": rank, "samples": samples, "param_hash_s": median(hashes),
+                     "norm_cold_s": median(cold), "norm_hot_s": median(hot),
                      "early_exchanges": guard.early_exchanges - early0, "committed": m.current_step() - commits0,
                      "steps": sum(len(v) for v in samples.values())}})
     sys.stdin.readline()  # the parent's go: never leave the peer mid-step
@@ -177,11 +191,14 @@ def main() -> int:
     marginal = {mode: median([median(steps[mode][i:i + per]) - median(steps["off"][i:i + per])
                               for i in range(0, len(steps["off"]), per)]) for mode in ("ride", "commit")}
     hash_ms = max(r["param_hash_s"] for r in results) * 1e3
+    norm_cold_ms = median([r["norm_cold_s"] for r in results]) * 1e3
+    norm_hot_ms = median([r["norm_hot_s"] for r in results]) * 1e3
     off = med["off"]
     ratios: dict[str, float | None] = {
         "ride_marginal_vs_off": ratio(marginal["ride"], off),
         "commit_marginal_vs_off": ratio(marginal["commit"], off),
         "param_hash_vs_off": ratio(hash_ms, off),
+        "norm_pass_cold_vs_off": ratio(norm_cold_ms, off),
         f"checks_every_{args.check_every}_ride_vs_off": ratio(max(marginal["ride"], 0.0) + hash_ms / args.check_every,
                                                               off),
         f"checks_every_{args.check_every}_commit_vs_off": ratio(
@@ -190,6 +207,7 @@ def main() -> int:
     goal_key = f"checks_every_{args.check_every}_ride_vs_off"
     goal = ratios[goal_key]
     out = {"plan": plan, "median_ms": med, "p90_ms": p90, "marginal_ms": marginal, "param_hash_ms": hash_ms,
+           "norm_pass_ms": {"cold": norm_cold_ms, "hot": norm_hot_ms},
            "early_exchanges": [r["early_exchanges"] for r in results], "committed": [r["committed"] for r in results],
            "steps": [r["steps"] for r in results], "goals": {goal_key: goal is not None and goal <= 0.02}}
     print(f"SDC checks in a real step: Manager + rallypoint DDP, MLP 1,312,768 params, batch 32x512, SGD, 1 torch "
@@ -199,7 +217,11 @@ def main() -> int:
              "" if mode == "off" else f"{marginal[mode]:+.3f}",
              "" if mode == "off" else f"{marginal[mode] / off * 100:+.2f}%"] for mode in MODES]
     rows.append(["param_hash", f"{hash_ms:.3f}", "", f"/{args.check_every}", f"{hash_ms / args.check_every / off * 100:.2f}%"])
+    rows.append(["norm pass", f"{norm_cold_ms:.3f}", "", "cold", f"{norm_cold_ms / off * 100:.2f}%"])
+    rows.append(["norm pass", f"{norm_hot_ms:.3f}", "", "hot", f"{norm_hot_ms / off * 100:.2f}%"])
     print(table(["mode", "median ms/step", "p90 ms", "marginal ms", "% of off"], rows))
+    print("norm pass: one dot over all 5 MiB of gradients, alone, after a 64 MiB write (cold) and again (hot): "
+          "the machine's memory bandwidth, the floor of a check that reads every gradient byte once")
     print(f"exchanges that rode behind the gradients: {out['early_exchanges']} (ride steps: "
           f"{plan['rounds'] * per}); committed steps {out['committed']} of {out['steps']}")
     print(f"goal: {goal_key} <= 0.02: {'met' if out['goals'][goal_key] else 'NOT met'} "

@@ -7,7 +7,9 @@ round sends to ``allreduce`` (the replica's own gradients, before they are avera
 ``should_commit`` every member of the quorum exchanges one row ``[norm valid, norm, hash
 valid, hash hi, hash lo]`` with ONE small SUM allreduce on the cross-replica process group
 (``_sdc.exchange``), and all of them apply the same pure rules (``guards.py``) to the same
-rows, so they reach the same verdict without another round trip:
+rows, so they reach the same verdict without another round trip. Under rallypoint's DDP
+that allreduce is posted right behind the last gradient bucket (:meth:`SdcGuard.post_early`,
+through ``Manager.gradients_posted``) and ``should_commit`` only waits for it:
 
 - a NaN/Inf or outlier gradient norm fails the step everywhere (every group's rank votes
   false, nothing is committed) and names the group; a group flagged again within the
