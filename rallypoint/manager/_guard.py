@@ -59,8 +59,8 @@ SDC_PREFIX = "silent data corruption"
 class _Early:
     """An exchange posted behind the round's last gradient bucket (:meth:`SdcGuard.post_early`)."""
 
-    def __init__(self, values: list[float], do_hash: bool, step: int) -> None:
-        self.values, self.do_hash, self.step = values, do_hash, step
+    def __init__(self, values: list[float], do_hash: bool, step: int, device: torch.device | None) -> None:
+        self.values, self.do_hash, self.step, self.device = values, do_hash, step, device
         self.pending: Any = None
         self.error: Exception | None = None
 
@@ -86,7 +86,6 @@ class SdcGuard:
         self._sit_out: frozenset[str] = frozenset()  # repeat offenders: sit out the next round and heal
         self._warned_no_params = False
         self._early: _Early | None = None  # this round's exchange, posted behind its last gradient bucket
-        self._device_hint: torch.device | None = None
         self.early_exchanges = 0  # rounds whose exchange rode behind the gradients (tests, logs)
 
     @classmethod
@@ -116,7 +115,7 @@ class SdcGuard:
         self._early = early
         self.early_exchanges += 1
         try:
-            early.pending = self._post(pg, q, early.values, failfast.add_work, replica_id)
+            early.pending = self._post(pg, q, early.values, early.device, failfast.add_work, replica_id)
         except Exception as e:  # noqa: BLE001 - reported by check_round, on the training thread
             early.error = e
 
@@ -162,12 +161,7 @@ class SdcGuard:
         gradient (a healing, spare or sitting-out replica sends zeros: no norm, or its zero
         would look like an outlier)."""
         if self.grad_check and contributes and tensor.is_floating_point() and self._early is None:
-            t = tensor.detach()
-            if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.is_contiguous():
-                flat = t.view(-1)  # one BLAS dot: ~20% faster than a norm kernel on CPU
-                norm = torch.dot(flat, flat).sqrt().to(torch.float64)
-            else:
-                norm = grad_norm_tensor([t])
+            norm = grad_norm_tensor([tensor.detach()])
             with self._lock:
                 self._norms.append(norm)
 
@@ -182,9 +176,10 @@ class SdcGuard:
             return torch.device("cuda", torch.cuda.current_device())
         return None
 
-    def _row(self, q: QuorumResult, state_ok: bool) -> tuple[list[float], bool, int]:
+    def _row(self, q: QuorumResult, state_ok: bool) -> tuple[list[float], bool, int, torch.device | None]:
         """This replica's row ``[norm valid, norm, hash valid, hash hi, hash lo]``, whether
-        the parameters are hashed this round, and the step it is about."""
+        the parameters are hashed this round, the step it is about, and the gradients'
+        device (None: none seen)."""
         step = q.max_step
         do_hash = self.check_every > 0 and guards.should_check_params(step, self.check_every) \
             and step != self._last_hash_step
@@ -201,11 +196,11 @@ class SdcGuard:
                 self._warned_no_params = True
                 self._log.warning("sdc_check_every is set but no parameters were registered (register_sdc_params, "
                                   "or rallypoint's DistributedDataParallel): the parameter check is skipped")
-        self._device_hint = norms[0].device if norms else None
-        return [valid_norm, norm, valid_hash, h_hi, h_lo], do_hash, step
+        return [valid_norm, norm, valid_hash, h_hi, h_lo], do_hash, step, norms[0].device if norms else None
 
-    def _post(self, pg: Any, q: QuorumResult, values: list[float], post: Any, replica_id: str) -> Any:
-        device = self._device(pg, self._device_hint)
+    def _post(self, pg: Any, q: QuorumResult, values: list[float], grads: torch.device | None, post: Any,
+              replica_id: str) -> Any:
+        device = self._device(pg, grads)
 
         def start() -> Any:
             return start_exchange(pg, q.replica_rank, q.replica_world_size, values, device=device)
@@ -228,8 +223,8 @@ class SdcGuard:
                 raise early.error
             values, do_hash, step, pending = early.values, early.do_hash, early.step, early.pending
         else:
-            values, do_hash, step = self._row(q, state_ok)
-            pending = self._post(pg, q, values, post, replica_id)
+            values, do_hash, step, grads = self._row(q, state_ok)
+            pending = self._post(pg, q, values, grads, post, replica_id)
         rows = pending.wait(timeout)
         done: dict[str, Any] = {"sdc_checked": ["grad"] + (["param"] if do_hash else [])}
         why: str | None = None

