@@ -11,14 +11,18 @@
   host, made with ``trustme``) in a temporary directory, for the ``--tls`` variants;
   :func:`clear_job_env` drops the job's ``RALLYPOINT_TOKEN``/``RALLYPOINT_TLS_*``
   settings from an environment, so the clear-text variants stay clear text.
+- :func:`procs`, :func:`proc_environ`, :func:`term_with_parent`, :func:`log_time`: what a
+  bench that drives ``rallypoint run`` reads from ``/proc`` and from the supervisor's log.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
 import queue
+import re
 import secrets
 import shutil
 import signal
@@ -32,6 +36,50 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 _NATIVE: Any = None
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+
+
+def term_with_parent() -> None:
+    """``preexec_fn`` of a child that must not outlive the bench: SIGTERM to it when the
+    bench dies (Linux ``PR_SET_PDEATHSIG``; nothing elsewhere)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM, 0, 0, 0)
+
+
+def log_time(line: str) -> float | None:
+    """The wall time a ``logging`` line (``YYYY-MM-DD HH:MM:SS,mmm ...``) was logged at, or None."""
+    m = _STAMP.match(line)
+    if not m:
+        return None
+    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+
+
+def procs() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, cmdline) of every process this user can read in ``/proc``."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        out[int(d)] = (ppid, cmd)
+    return out
+
+
+def proc_environ(pid: int) -> dict[str, str]:
+    """Process ``pid``'s environment from ``/proc`` (empty when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(i.decode("utf-8", "replace").split("=", 1) for i in items if b"=" in i)
 
 
 def load_torchft_native() -> Any:
@@ -233,10 +281,14 @@ def report_goals(bench: str, plan: dict[str, Any], results: Any, goals: dict[str
                  ratios: dict[str, Any], out: str | None) -> None:
     """The goals line, then the bench's one JSON line (also written to ``out``)."""
     print("goals: " + ", ".join(f"{k}: {'met' if v else ('not met' if v is False else '-')}" for k, v in goals.items()))
-    line = json.dumps({"bench": bench, "plan": plan, "results": results, "goals": goals, "ratios": ratios})
+    emit_line(json.dumps({"bench": bench, "plan": plan, "results": results, "goals": goals, "ratios": ratios}), out)
+
+
+def emit_line(line: str, out: str | None) -> None:
+    """Print a bench's one JSON line and, with ``--out``, write it to that file too."""
+    print(line)
     if out:
         Path(out).write_text(line + "\n")
-    print(line)
 
 
 def fmt_ms(v: float | None) -> str:

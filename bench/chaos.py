@@ -461,6 +461,8 @@ def main() -> None:
         if target is not None:
             goals[f"ours_goodput_g{g}>={target}"] = _util.goal_met(gp, gp is not None and gp >= target)
     _util.report_goals("chaos", plan, results, goals, ratios, args.out)
+    if any(isinstance(r, dict) and r.get("failed") for r in results.values()):
+        sys.exit(1)  # a run that failed is not a measurement
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ step. Goals (issue 14): kill -> first commit <= 0.5 s; goodput >= 0.95 (G=3), >=
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import queue
@@ -41,52 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _util  # noqa: E402
 import chaos  # noqa: E402
-from _util import fmt_ratio, median, percentile, ratio, table  # noqa: E402
+from _util import fmt_ratio, log_time, median, percentile, proc_environ, procs, ratio, table, term_with_parent  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "chaos_worker.py"
 VARIANTS = ("ours", "torchft_1s", "torchft_0s")
 _PREFIX = re.compile(r"^\[g(\d+) r(\d+)( standby)?\] (.*)$")
-_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-
-def _die_with_bench() -> None:  # preexec_fn: SIGTERM to the supervisor if the bench dies
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM, 0, 0, 0)
-
-
-def _log_time(line: str) -> float | None:
-    m = _STAMP.match(line)
-    if not m:
-        return None
-    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
-
-
-def _procs() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, cmdline) of every process we can read."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
-        except (OSError, ValueError, IndexError):
-            continue
-        out[int(d)] = (ppid, cmd)
-    return out
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            items = f.read().split(b"\0")
-    except OSError:
-        return {}
-    return dict(i.decode("utf-8", "replace").split("=", 1) for i in items if b"=" in i)
 
 
 # ---------------------------------------------------------------------- one `rallypoint run`
@@ -100,7 +59,7 @@ class _Group:
         self._log_lock = threading.Lock()
         self.sup_lines: list[tuple[float, float | None, str]] = []  # (t received, t logged, line)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=env, cwd=str(REPO), text=True, bufsize=1, preexec_fn=_die_with_bench)
+                                     env=env, cwd=str(REPO), text=True, bufsize=1, preexec_fn=term_with_parent)
         self.pid = self.proc.pid
         self.tmpdir = env.get("TMPDIR", tempfile.gettempdir())  # the supervisor's scratch folder is under it
         for src, fn in ((self.proc.stdout, self._out), (self.proc.stderr, self._err)):
@@ -128,26 +87,25 @@ class _Group:
     def _err(self, now: float, line: str) -> None:
         if line.startswith("[g"):
             return  # a rank's (or the store's) stderr: only the log file
-        self.sup_lines.append((now, _log_time(line), line))
+        self.sup_lines.append((now, log_time(line), line))
         i = line.find('{"event"')
         if i >= 0:
             try:
                 ev = json.loads(line[i:])
             except json.JSONDecodeError:
                 return
-            self.sink.put((now, self.gid, -1, {"sup_event": ev, "t_log": _log_time(line)}))
+            self.sink.put((now, self.gid, -1, {"sup_event": ev, "t_log": log_time(line)}))
 
     def standbys(self, rank_pids: set[int]) -> dict[int, bool]:
         """rank -> is its standby ready (imports done)? From /proc: the supervisor's
         children started with ``--standby`` that are not running ranks."""
         out: dict[int, bool] = {}
-        procs = _procs()
-        for pid, (ppid, cmd) in procs.items():
+        for pid, (ppid, cmd) in procs().items():
             if ppid != self.pid:
                 continue
             if "--standby" not in cmd or pid in rank_pids:
                 continue
-            env = _environ(pid)
+            env = proc_environ(pid)
             try:
                 rank = int(env.get("RANK", "-1"))
             except ValueError:
@@ -286,7 +244,7 @@ class _OursRun:
 
     def kill(self, gid: int, rank: int, ready: bool, waited: float) -> None:
         pid = self.current[(gid, rank)]
-        ppid, cmd = _procs().get(pid, (None, ""))
+        ppid, cmd = procs().get(pid, (None, ""))
         if ppid != self.groups[gid].pid or str(WORKER) not in cmd:  # only ever our own rank
             self.errors.append(f"g{gid} r{rank}: pid {pid} is not a rank of ours any more; not killed")
             return
@@ -314,7 +272,7 @@ class _OursRun:
             for grp in self.groups:
                 grp.close()
         time.sleep(0.5)
-        for pid, (_, cmd) in _procs().items():
+        for pid, (_, cmd) in procs().items():
             if self.tmp in cmd:  # supervisors, ranks, standbys and store hosts all name our folder
                 left.append(pid)
                 try:
@@ -618,6 +576,8 @@ def main() -> None:
         if target is not None:
             goals[f"ours_goodput_g{g}>={target}"] = _util.goal_met(gp, gp is not None and gp >= target)
     _util.report_goals("chaos_run", plan, results, goals, ratios, args.out)
+    if any(isinstance(r, dict) and r.get("failed") for r in results.values()):
+        sys.exit(1)  # a run that failed is not a measurement
 
 
 if __name__ == "__main__":

@@ -364,9 +364,7 @@ def main() -> None:
         "import_torch_median_ms": median(torch_all), "results": res, "ratios": ratios,
         "ours_minus_torchft_ms": diff, "goal_ms": GOAL_MS, "goal_met": goal_met,
     })
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    _util.emit_line(line, args.out)
 
 
 if __name__ == "__main__":

@@ -425,9 +425,7 @@ def main() -> None:
         print(f"WARNING: steps with errors: {errs}")
     line = json.dumps({"bench": "diloco", "quick": args.quick, "rounds": rounds, "bytes_counted": "process_group",
                        "results": res, "ratios": ratios, "torchft_diloco_q": "n/a (needs Triton/GPU)"})
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    _util.emit_line(line, args.out)
 
 
 def _mb(v: float | None) -> str:

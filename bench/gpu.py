@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _util import fmt_ratio, ratio, table  # noqa: E402
+from _util import emit_line, fmt_ratio, ratio, table  # noqa: E402
 
 T = datetime.timedelta
 SIZES = {"4KB": 4 << 10, "1MB": 1 << 20, "64MB": 64 << 20}
@@ -362,9 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         rs = []
         print(f"bench/gpu.py: {p['why']}", file=sys.stderr)
     line = json.dumps({"bench": "gpu", "quick": args.quick, "plan": p, "results": res, "rows": rs})
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    emit_line(line, args.out)
     if not p["runs"]:
         return 2
     return 1 if any(r["error"] for r in rs) else 0

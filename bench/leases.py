@@ -477,10 +477,7 @@ def main() -> int:
               "lease_cpu_vs_nolease": ratio(lease_cpu, no.get("cpu_ms_per_group_step")),
               "lease_cpu_vs_torchft": ratio(lease_cpu, tf.get("cpu_ms_per_group_step"))}
     line = json.dumps(_clean({"bench": "leases", "quick": quick, "results": results, "ratios": ratios}), allow_nan=False)
-    print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    _util.emit_line(line, args.out)
     return 0
 
 

@@ -550,10 +550,7 @@ def main() -> int:
         if e:
             print(f"note: heartbeats {impl}: {e[:400]}")
     line = json.dumps(_clean({"bench": "lighthouse", "results": results, "ratios": ratios}), allow_nan=False)
-    print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    _util.emit_line(line, args.out)
     return 0
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _util import fmt_ratio, ratio, table  # noqa: E402
+from _util import emit_line, fmt_ratio, ratio, table  # noqa: E402
 
 SIZES = {"4KB": 4 << 10, "1MB": 1 << 20, "64MB": 64 << 20}
 T = datetime.timedelta
@@ -247,9 +247,7 @@ def main() -> None:
     rows.append(["4096 tiny tensors baby ms", _f(ours), _f(theirs), fmt_ratio(ratio(ours, theirs)), "", ""])
     print(table(["metric (2 ranks, localhost)", "rallypoint", "torchft 0.2.0", "ratio", "plain gloo", "GB/s ours/torchft"], rows))
     line = json.dumps({"bench": "process_groups", "quick": quick, "results": res, "ratios": ratios})
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    emit_line(line, args.out)
 
 
 def _f(v: float | None) -> str:

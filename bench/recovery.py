@@ -429,9 +429,7 @@ def main() -> None:
     line = json.dumps({"bench": "recovery", "quick": args.quick, "reps": reps, "groups": groups,
                        "heartbeat_timeout_ms": args.heartbeat_timeout_ms, "join_timeout_ms": args.join_timeout_ms,
                        "results": results, "failures": failures, "goals": goals, "ratios": ratios})
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    _util.emit_line(line, args.out)
 
 
 def _f(v: float | None) -> str:

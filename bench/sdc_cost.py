@@ -296,9 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         rows2.append([f"goal: {key} <= 0.02", "met" if met else "NOT met"])
     print(table(["ratio", "value"], rows2))
     line = json.dumps({"bench": "sdc_cost", "quick": args.quick, "results": results, "ratios": ratios})
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    _util.emit_line(line, args.out)
     return 0
 
 

@@ -227,9 +227,7 @@ def main() -> int:
     print(f"goal: {goal_key} <= 0.02: {'met' if out['goals'][goal_key] else 'NOT met'} "
           f"({'-' if goal is None else f'{goal:.4f}'})")
     line = json.dumps({"bench": "sdc_step", "quick": args.quick, "results": out, "ratios": ratios})
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    _util.emit_line(line, args.out)
     return 0
 
 

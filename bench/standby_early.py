@@ -333,9 +333,7 @@ def main() -> None:
     line = json.dumps({"bench": "standby_early", "plan": plan, "rounds": args.rounds, "cpus": os.cpu_count(),
                        "load_start": load0, "load_end": os.getloadavg()[0], "torchft_version": _util.torchft_version(),
                        "results": summary, "ratios": ratios, "goal_s": GOAL_S, "goal_met": goal, "errors": errors})
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    _util.emit_line(line, args.out)
 
 
 def _stats(values: list[float]) -> dict[str, Any]:

@@ -512,9 +512,7 @@ def main() -> None:
         rows2.append([f"{v}: setup s / commit fraction", f"{res[v]['setup_s']:.2f} / {res[v]['commit_fraction']:.2f}"])
     print(table(["summary", "value"], rows2))
     line = json.dumps({"bench": "step_overhead", "quick": quick, "rounds": rounds, "results": res, "ratios": ratios})
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    _util.emit_line(line, args.out)
 
 
 def _f(v: float | None) -> str:

@@ -131,6 +131,30 @@ def test_the_handle_is_sent_only_to_a_client_that_takes_it() -> None:
     assert Configurer(_Conf(), CONF, 0, 1, timedelta(seconds=1), logging.getLogger("t")).quorum_kwargs(new) == {}
 
 
+def test_each_quorum_function_is_inspected_once_however_the_calls_alternate(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A refused leased round (rank 0 of a multi-rank group, a quorum of one) is followed by
+    # the quorum thread's call on every step: the two must not evict each other's answer.
+    import logging
+
+    from rallypoint.manager import _reconfig
+
+    class Client:
+        def _quorum(self, group_rank: int, reconfigure_handle: str = "") -> None: ...
+
+        def leased_quorum(self, group_rank: int) -> None: ...
+
+    seen: list[str] = []
+    real = _reconfig.quorum_accepts_handle
+    monkeypatch.setattr(_reconfig, "quorum_accepts_handle", lambda f: seen.append(f.__name__) or real(f))
+    c = Configurer(_Reconf(), RECONF, 0, 1, timedelta(seconds=1), logging.getLogger("t"))
+    client = Client()
+    for _ in range(50):
+        assert c.quorum_kwargs(client.leased_quorum) == {}
+        assert c.quorum_kwargs(client._quorum) == {"reconfigure_handle": '{"id": "x", "store": "h:1"}'}
+    assert seen == ["leased_quorum", "_quorum"]
+    assert c.quorum_kwargs(Client().leased_quorum) == {} and len(seen) == 2  # same class, another client
+
+
 def test_native_group_adds_errored_and_passes_everything_else() -> None:
     import torch.distributed as dist
 

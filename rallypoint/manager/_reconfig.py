@@ -180,7 +180,10 @@ class Configurer:
         self.replica_id = ""
         self.last_action = ""  # "configure" / "reconfigure": what the last new quorum used
         self.applied = 0  # how many times the group was rebuilt (once per new quorum id)
-        self._accepts: tuple[Any, bool] | None = None  # (the client's _quorum function, takes a handle)
+        #: per quorum function (a client's ``_quorum``, its ``leased_quorum``): takes a handle.
+        #: Keyed by function, not one slot: a refused leased round and the quorum thread's call
+        #: alternate every step, and inspecting a signature costs more than the round itself.
+        self._accepts: dict[Any, bool] = {}
 
     def set_replica(self, replica_id: str, hostname: str | None = None) -> None:
         """This rank's replica id, passed on with ``set_rank_info`` to groups that take it;
@@ -202,10 +205,13 @@ class Configurer:
         """``reconfigure_handle=...`` for the quorum call, when there is one and the client takes it."""
         if not self.kind.reconfigure:
             return {}
-        func = getattr(quorum, "__func__", quorum)  # inspected once per client class, not every step
-        if self._accepts is None or self._accepts[0] is not func:
-            self._accepts = (func, quorum_accepts_handle(quorum))
-        if not self._accepts[1]:
+        func = getattr(quorum, "__func__", quorum)  # inspected once per client function, not every step
+        accepts = self._accepts.get(func)
+        if accepts is None:
+            if len(self._accepts) >= 8:  # bounded: a client rebuilt with fresh closures
+                self._accepts.clear()
+            accepts = self._accepts[func] = quorum_accepts_handle(quorum)
+        if not accepts:
             return {}
         return {"reconfigure_handle": self.handle()}
 
