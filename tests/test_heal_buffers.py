@@ -142,3 +142,135 @@ def test_the_pool_keeps_one_receive_worth_and_can_be_turned_off(monkeypatch: pyt
         assert t.receive_pool is None
     finally:
         t.shutdown()
+
+
+def test_a_deferred_receive_touches_nothing_until_it_lands(pair: tuple[HTTPTransport, HTTPTransport]) -> None:
+    from rallypoint.transports.wire import Landing, WireError
+
+    src, dst = pair
+    model, opt = _trained(0)
+    sender_model, sender_opt = _trained(1)
+    for step in (1, 2):
+        src.send_checkpoint([1], step, _state(sender_model, sender_opt), TEN)
+        before = [t.clone() for t in tensors_of(_state(model, opt))]
+        landing = dst.recv_checkpoint(0, src.metadata(), step, TEN, into=_state(model, opt), defer_landing=True)
+        src.disallow_checkpoint()
+        assert isinstance(landing, Landing)
+        assert all(torch.equal(a, b) for a, b in zip(tensors_of(_state(model, opt)), before))  # not yet
+        params = list(model.parameters())
+        out = landing.land()
+        assert out["model"]["0.weight"].data_ptr() == model[0].weight.data_ptr()  # the model's own memory
+        assert list(model.parameters()) == params
+        for mine, theirs in zip(model.parameters(), sender_model.parameters()):
+            assert torch.equal(mine, theirs)
+        with pytest.raises(WireError, match="landed already"):
+            landing.land()
+    assert dst.receive_pool is not None and dst.receive_pool.reused_bytes > 0  # the second took the first's
+
+
+def test_heals_on_the_quorum_thread_land_warm_in_the_models_own_tensors(lighthouse: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default for plain state: heals overlap forward on the quorum thread. Replica b
+    fails a step now and then (as after a transient error) and heals from a without
+    restarting: each heal is received and verified on the quorum thread, then swapped into
+    b's own parameters on its training thread; from the second heal on into the buffers the
+    first left; both end bit-identical."""
+    import threading
+
+    from rallypoint.manager import Manager
+    from rallypoint.process_groups import ProcessGroupGloo
+
+    monkeypatch.setenv("RALLYPOINT_PG_HOST", "127.0.0.1")
+    lh = lighthouse(min_replicas=2, join_timeout_ms=2000)
+    target, fail_at = 14, {3, 6, 9}
+    both = threading.Barrier(2, timeout=60)
+
+    def run(name: str, fails: set[int]) -> dict[str, Any]:
+        model, opt = _trained(0)
+        pg = ProcessGroupGloo(timeout=TEN)
+        m = Manager(pg, lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["optim"])),
+                    lambda: _state(model, opt), min_replica_size=2, rank=0, world_size=1, hostname="127.0.0.1",
+                    store_addr="127.0.0.1", lighthouse_addr=lh.address(), replica_id=name, timeout=TEN,
+                    quorum_timeout=timedelta(seconds=30), connect_timeout=TEN)
+        params = list(model.parameters())
+        gen = torch.Generator().manual_seed(hash(name) % 1000)
+        swapped = 0
+        try:
+            both.wait()
+            deadline = time.monotonic() + 90
+            while m.current_step() < target and time.monotonic() < deadline:
+                ptrs = [p.data_ptr() for p in params]
+                m.start_quorum()
+                opt.zero_grad()
+                model(torch.randn(4, 64, generator=gen)).sum().backward()
+                for p in params:
+                    m.allreduce(p.grad).wait()  # waits for the quorum (and a quorum-thread fetch) first
+                if m.current_step() in fails and m.errored() is None:
+                    fails = fails - {m.current_step()}
+                    m.report_error(RuntimeError("injected: a transient failure"))
+                if m.should_commit():
+                    opt.step()
+                swapped += [p.data_ptr() for p in params] != ptrs and m.step_records()[-1].healing
+            assert list(model.parameters()) == params  # the same parameter objects throughout
+            pool = m._transport.receive_pool
+            return {"step": m.current_step(), "on_training_thread": m.heal_on_training_thread,
+                    "heals": sum(1 for r in m.step_records() if r.healing), "swapped": swapped,
+                    "reused": pool.reused_bytes if pool is not None else 0,
+                    "params": [p.detach().clone() for p in params]}
+        finally:
+            m.shutdown(wait=False)
+            pg.shutdown()
+
+    import concurrent.futures as cf
+    import time
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        fa, fb = ex.submit(run, "qa", set()), ex.submit(run, "qb", fail_at)
+        a, b = fa.result(timeout=150), fb.result(timeout=150)
+    assert a["step"] == b["step"] >= target, (a["step"], b["step"])
+    assert b["on_training_thread"] is False and a["heals"] == 0
+    assert b["heals"] >= 3 and b["swapped"] >= 3, (b["heals"], b["swapped"])
+    assert b["reused"] > 0  # heals after the first went into the buffers the first left
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+class _Ours:
+    receive_pool: Any = ReceivePool()
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta, *, into: Any = None,
+                        in_place: bool = False, mesh: Any = None, defer_landing: bool = False) -> Any: ...
+
+
+class _NoDefer:
+    receive_pool: Any = ReceivePool()
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta, *, into: Any = None,
+                        mesh: Any = None) -> Any: ...
+
+
+class _TorchftLike:
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any: ...
+
+
+class _NoPool(_Ours):
+    receive_pool = None
+
+
+class _OnDevice(_Ours):
+    _on_device = True
+
+
+@pytest.mark.parametrize("transport,want", [
+    (_Ours(), True),          # ours, buffers kept: received and checked off the training thread, swapped on it
+    (_NoPool(), False),       # RALLYPOINT_HEAL_BUFFERS=0: fresh memory, copied in by load_state_dict
+    (_NoDefer(), False),      # a transport that cannot leave the landing for later
+    (_TorchftLike(), False),  # torchft's: builds the state itself
+    (_OnDevice(), False),     # receives on a device: no second device copy held until the landing
+])
+def test_which_quorum_thread_heals_land_later(transport: Any, want: bool) -> None:
+    import logging
+
+    from rallypoint.manager._heal import Healer
+
+    h = Healer(transport, 0, TEN, TEN, logging.LoggerAdapter(logging.getLogger("t"), {}))
+    assert h.lands_later() is want

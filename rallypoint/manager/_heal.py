@@ -123,16 +123,16 @@ def materialise(tree: Any) -> Any:
     return tree
 
 
-def _takes_into(transport: object) -> bool:
-    """Whether ``transport.recv_checkpoint`` accepts ``into=``/``mesh=`` (ours do;
-    torchft's do not)."""
+def _takes_into(transport: object, *more: str) -> bool:
+    """Whether ``transport.recv_checkpoint`` accepts ``into=``/``mesh=`` and the keywords
+    ``more`` (ours do; torchft's do not)."""
     import inspect
 
     try:
         params = inspect.signature(transport.recv_checkpoint).parameters  # type: ignore[attr-defined]
     except (AttributeError, TypeError, ValueError):
         return False
-    return ("into" in params and "mesh" in params) or any(
+    return all(k in params for k in ("into", "mesh", *more)) or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
@@ -159,6 +159,20 @@ class Healer:
         self._log = log
         self.stripe = bool(getattr(transport, "stripes", False)) and os.environ.get(STRIPE_ENV, "1") != "0"
         self.failed_heals = 0  # consecutive heals that failed from every source (see backoff_s)
+        self._lands_later: bool | None = None
+
+    def lands_later(self) -> bool:
+        """Whether a heal fetched off the training thread should receive ``into`` our state
+        and leave the landing to the training thread (``fetch(defer=True)``): the transport
+        keeps receive buffers between heals (``receive_pool``) and takes ``defer_landing``,
+        and receives into host memory (a transport that receives on a device would hold a
+        second copy of the state in device memory until the landing). Otherwise the heal
+        goes as the transport does it by default, and applying copies it."""
+        if self._lands_later is None:
+            self._lands_later = getattr(self._transport, "receive_pool", None) is not None \
+                and not getattr(self._transport, "_on_device", False) \
+                and _takes_into(self._transport, "defer_landing", "in_place")
+        return self._lands_later
 
     def serves(self, q: QuorumResult) -> list[int]:
         """The replica ranks that may fetch from us in quorum ``q`` (empty: serve nothing)."""
@@ -206,7 +220,7 @@ class Healer:
         a healed state was applied."""
         return heal_backoff_s(self.failed_heals)
 
-    def fetch(self, q: QuorumResult, into: Any = None, mesh: Any = None) -> dict[str, Any]:
+    def fetch(self, q: QuorumResult, into: Any = None, mesh: Any = None, defer: bool = False) -> Any:
         """The state of step ``q.max_step``: from our assigned source, else (a transport that
         ``stripes``: every up-to-date replica serves every healing one) from the quorum's
         other sources in turn, within the heal timeout. ``into``: our current state
@@ -214,7 +228,10 @@ class Healer:
         are rebuilt on its meshes); ``mesh``: the mesh for DTensors ``into`` lacks (unset,
         with our transports: they arrive as ``SentDTensor`` and are placed on this
         replica's meshes when the state is applied, :func:`._heal_step.place_dtensors`).
-        Every source failing raises, and counts toward :meth:`backoff_s`."""
+        ``defer`` (with ``into``, off the training thread): a transport that can returns a
+        :class:`~rallypoint.transports.wire.Landing` (verified, ``into`` not yet touched)
+        for the training thread to land; one that cannot returns the state, received
+        fresh. Every source failing raises, and counts toward :meth:`backoff_s`."""
         src = q.recover_src_replica_rank
         if src is None:
             raise RuntimeError(f"quorum {q.quorum_id} says heal but names no recovery source")
@@ -233,7 +250,7 @@ class Healer:
                                    f"{sorted(failed)}); the next quorum retries: {last}") from last
             try:
                 state = self._fetch_from(q, order[0], order[1:] if self.stripe else [], addrs, into, mesh,
-                                         timedelta(seconds=max(left, 1.0)))
+                                         timedelta(seconds=max(left, 1.0)), defer)
             except Exception as e:  # noqa: BLE001 - another source, or the next quorum, retries
                 last = e
                 failed.add(order[0])
@@ -243,7 +260,7 @@ class Healer:
             return state  # failed_heals is reset once the state is applied (_heal_step)
 
     def _fetch_from(self, q: QuorumResult, src: int, extra_ranks: list[int], addrs: dict[int, str], into: Any,
-                    mesh: Any, timeout: timedelta) -> dict[str, Any]:
+                    mesh: Any, timeout: timedelta, defer: bool = False) -> Any:
         """One attempt: from ``src`` (striped with ``extra_ranks`` that say where they serve)."""
         meta = self._metadata(addrs[src], min(timeout, self._timeout))
         extra_srcs: list[int] = []
@@ -256,7 +273,10 @@ class Healer:
         self._log.info("healing to step %d from replica rank %d (%s)%s", q.max_step, src, addrs[src],
                        f", striped with ranks {extra_srcs}" if extra_srcs else "")
         extra: dict[str, Any] = {}
-        if into is not None:
+        if into is not None and defer:
+            if _takes_into(self._transport, "defer_landing", "in_place"):
+                extra.update(into=into, in_place=False, defer_landing=True)  # nothing of ours written here
+        elif into is not None:
             extra["into"] = into
         if mesh is None and type(self._transport).__module__.startswith("rallypoint."):
             from rallypoint.transports.wire import DEFER

@@ -39,6 +39,7 @@ def heal_here(m: "Manager") -> None:
         try:
             if pending is None:  # the fetch failed (and counted toward the heal backoff)
                 raise RuntimeError("healing was required but no state was received")
+            pending = land(pending)
             m._user_state.apply(place_dtensors(pending, m._manager_state_dict, m.heal_mesh), m.load_state_dict)
             m._healer.failed_heals = 0  # a heal is done once applied: the backoff starts over
             m._log.info("applied healed state: step %d", m._step)
@@ -52,6 +53,15 @@ def heal_here(m: "Manager") -> None:
         rnd.rec.heal_s += dt
         if rnd.rec.first_collective is None:
             rnd.rec.heal_before_s += dt
+
+
+def land(received: Any) -> Any:
+    """A state the quorum thread received and verified but left for this thread to put in
+    place (:class:`~rallypoint.transports.wire.Landing`: its buffers swap into our own
+    tensors, microseconds rather than a copy of the state); anything else as it is."""
+    from rallypoint.transports.wire import Landing
+
+    return received.land() if isinstance(received, Landing) else received
 
 
 def place_dtensors(received: Any, current: Any, heal_mesh: Any) -> Any:

@@ -186,7 +186,11 @@ class QuorumRounds:
                 # (heal_on_training_thread moves them).
                 self._healer.serve(q, self._manager_state_dict())
             if q.heal:
-                rnd.pending = self._healer.fetch(q)
+                # Into pooled buffers, verified here; swapped into the state's own tensors
+                # by the training thread when it applies them (_heal_step): no second pass
+                # over the bytes and no fresh pages for a replica that heals again.
+                into = self._manager_state_dict() if self._healer.lands_later() else None
+                rnd.pending = self._healer.fetch(q, into=into, defer=into is not None)
         except Exception as e:  # noqa: BLE001
             self._log.warning("recovery failed: %s", e)
             self.report_error(e)

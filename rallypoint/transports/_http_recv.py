@@ -104,7 +104,7 @@ class Receive:
         """A new (not yet opened) connection to ``src`` with this receive's credentials."""
         return Connection(src.base, self.context, self.headers)
 
-    def run(self, into: Any, in_place: bool, mesh: Any) -> Any:
+    def run(self, into: Any, in_place: bool, mesh: Any, defer: bool = False) -> Any:
         t = self.t
         n = t._num_chunks * len(self.sources)
         first = self.sources[0]
@@ -125,7 +125,8 @@ class Receive:
                 raise TransferError(f"{self.where}: the header is for step {header.extra.get('step')!r}")
             first.ready = True
             try:
-                sink = wire.Sink(header, into=into, in_place=in_place, mesh=mesh, pool=t.receive_pool)
+                sink = wire.Sink(header, into=into, in_place=in_place, mesh=mesh, pool=t.receive_pool,
+                                 defer=defer and into is not None)
             except wire.WireError as exc:
                 raise TransferError(f"{self.where}: {exc}") from exc
             try:

@@ -437,16 +437,20 @@ class HTTPTransport(CheckpointTransport[Any]):
         into: Any = None,
         in_place: bool = False,
         mesh: Any = None,
+        defer_landing: bool = False,
     ) -> Any:
         """Fetch the checkpoint of ``step`` from ``metadata``: a base URL, or several,
         comma-separated, to stripe the receive over (the first is the assigned source;
         see :mod:`rallypoint.transports._http_recv`).
 
-        ``into``/``in_place``/``mesh`` as in :class:`rallypoint.transports.wire.Sink`.
-        Raises :class:`TransferError` (or :class:`TransferTimeout`) naming the source.
+        ``into``/``in_place``/``mesh`` as in :class:`rallypoint.transports.wire.Sink`;
+        ``defer_landing`` (with ``into``): return a :class:`~rallypoint.transports.wire.Landing`
+        whose ``land()`` puts the verified state into ``into`` later, on the caller's thread
+        of choice (``Sink(defer=True)``). Raises :class:`TransferError` (or
+        :class:`TransferTimeout`) naming the source.
         """
         deadline = time.monotonic() + timeout.total_seconds()
-        return Receive(self, src_rank, metadata, step, deadline).run(into, in_place, mesh)
+        return Receive(self, src_rank, metadata, step, deadline).run(into, in_place, mesh, defer_landing)
 
     def _ssl(self) -> ssl.SSLContext:
         """One TLS context per transport (only used for TLS sources): building one per

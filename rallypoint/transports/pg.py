@@ -367,13 +367,16 @@ class PGTransport(CheckpointTransport[Any]):
         into: Any = None,
         in_place: bool = True,
         mesh: Any = None,
+        defer_landing: bool = False,
     ) -> Any:
         """Receive step ``step`` from rank ``src_rank`` of the group.
 
         ``into``: the receiver's state dict (default: the ``state_dict`` callable's);
         matching tensors are filled (in place with ``in_place``, else from a verified
         staging copy), the rest arrive fresh. Returns the received state dict (holding
-        ``into``'s tensor objects where they matched).
+        ``into``'s tensor objects where they matched). ``defer_landing`` (with
+        ``in_place=False``): return a :class:`~rallypoint.transports.wire.Landing` instead,
+        whose ``land()`` puts the verified state into ``into`` later (``Sink(defer=True)``).
         """
         dl = _Deadline(timeout or self._timeout)
         stats = self.last_recv = TransferStats(peers=[src_rank])
@@ -413,7 +416,8 @@ class PGTransport(CheckpointTransport[Any]):
                     "the quorum's recovery assignment is stale: rejoin the next quorum"
                 )
             sink = Sink(header, into=into, in_place=in_place, mesh=mesh,
-                        device=self._device if self._on_device else None, pool=self.receive_pool)
+                        device=self._device if self._on_device else None, pool=self.receive_pool,
+                        defer=defer_landing and into is not None)
             try:
                 self._recv_data(src, header, sink, dl, stats)
             finally:

@@ -61,6 +61,10 @@ N bytes of state needs ~N bytes, never a second staging copy of the whole stream
   storage takes its buffer's memory by swapping data pointers instead of being copied into
   (the old bytes go back to the pool): no page faults, no second pass, and still nothing
   written before the whole state verified (:mod:`rallypoint.transports._pool`).
+* ``defer=True`` (with ``into=`` and a pool, on another thread than the one that uses the
+  target: the Manager's quorum thread): the same, but :meth:`Sink.finish` only verifies and
+  returns a :class:`Landing`; nothing of the target is touched until its ``land()`` runs
+  (the training thread, between steps), where the swaps take microseconds.
 * ``into=target, in_place=True``: bytes are read directly into the target's tensors
   (matching dtype/shape, CPU, contiguous): no extra memory. Everything checkable before the
   first byte (header, dtypes, shapes, sizes, DTensor meshes) is checked first, but a
@@ -188,9 +192,11 @@ class Sink:
     """
 
     def __init__(self, header: Header, *, into: Any = None, in_place: bool = False, mesh: Any = None,
-                 device: torch.device | None = None, pool: ReceivePool | None = None) -> None:
+                 device: torch.device | None = None, pool: ReceivePool | None = None, defer: bool = False) -> None:
         self.header = header
         self._pool = pool if into is not None and not in_place else None
+        self._defer = defer and not in_place
+        self._landed = False
         self._lock = threading.Lock()
         self._verified = bytearray(len(header.pieces))
         self._nverified = 0
@@ -344,7 +350,8 @@ class Sink:
         return self._nverified == len(self.header.pieces)
 
     def finish(self) -> Any:
-        """Check every piece arrived and verified, then copy into targets and build the tree."""
+        """Check every piece arrived and verified, then land in the targets (swap or copy)
+        and build the tree; with ``defer=True`` a :class:`Landing` that does the rest later."""
         self.prefault.stop()
         if not self.complete:
             first = self.header.tensors[self.header.pieces[self._verified.index(0)][2]]
@@ -353,6 +360,15 @@ class Sink:
                 key=first.key,
                 target_modified=self.target_touched,
             )
+        if self._defer:
+            return Landing(self)
+        return self.land()
+
+    def land(self) -> Any:
+        """The verified state into the targets (swapped or copied) and the result tree; once."""
+        if self._landed:
+            raise WireError("this received state was landed already")
+        self._landed = True
         leaves: list[Any] = []
         pool, pooled = self._pool, 0
         with torch.no_grad():
@@ -397,6 +413,25 @@ class Sink:
         if pool is not None:
             pool.trim(pooled)
         return _build(self.header.tree, leaves)
+
+
+class Landing:
+    """A received, verified state not yet in its targets (``Sink(defer=True)``): receiving
+    and verifying run on one thread (the Manager's quorum thread, while the training thread
+    computes), :meth:`land` on the thread that owns the targets. Dropped without landing,
+    it leaves the targets as they were and its buffers to the garbage collector."""
+
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
+        self.nbytes = sink.header.data_bytes
+
+    def land(self) -> Any:
+        """Swap (or copy) every received tensor into its target and return the state, as
+        an undeferred receive would have; the old bytes go to the receive pool."""
+        return self._sink.land()
+
+    def __repr__(self) -> str:
+        return f"Landing({len(self._sink.header.tensors)} tensors, {self.nbytes} bytes, landed={self._sink._landed})"
 
 
 def _build(node: dict[str, Any], leaves: list[Any]) -> Any:
