@@ -130,6 +130,15 @@ class QuorumRounds:
             return
         self._took_quorum(rnd, q, allow_heal)
 
+    def _state_to_land_in(self) -> Any:
+        """Our state, for a quorum-thread heal to land in later (only its layout is read
+        here); None, receiving fresh memory as before, when the state cannot be read now."""
+        try:
+            return self._manager_state_dict()
+        except Exception as e:  # noqa: BLE001 - a state_dict callback that fails off the training thread
+            self._log.info("heal: receiving into fresh memory, the state could not be read here: %s", e)
+            return None
+
     def _took_quorum(self, rnd: _Round, q: Any, allow_heal: bool) -> None:
         """Act on this round's quorum ``q``: participation, (re)configure, heal plans."""
         rec = rnd.rec
@@ -189,7 +198,7 @@ class QuorumRounds:
                 # Into pooled buffers, verified here; swapped into the state's own tensors
                 # by the training thread when it applies them (_heal_step): no second pass
                 # over the bytes and no fresh pages for a replica that heals again.
-                into = self._manager_state_dict() if self._healer.lands_later() else None
+                into = self._state_to_land_in() if self._healer.lands_later() else None
                 rnd.pending = self._healer.fetch(q, into=into, defer=into is not None)
         except Exception as e:  # noqa: BLE001
             self._log.warning("recovery failed: %s", e)
