@@ -273,19 +273,18 @@ class Healer:
         self._log.info("healing to step %d from replica rank %d (%s)%s", q.max_step, src, addrs[src],
                        f", striped with ranks {extra_srcs}" if extra_srcs else "")
         extra: dict[str, Any] = {}
-        if into is not None and defer:
-            if _takes_into(self._transport, "defer_landing", "in_place"):
-                extra.update(into=into, in_place=False, defer_landing=True)  # nothing of ours written here
-        elif into is not None:
+        if into is not None:
             extra["into"] = into
+            if defer:
+                extra.update(in_place=False, defer_landing=True)  # nothing of ours is written off this thread
         if mesh is None and type(self._transport).__module__.startswith("rallypoint."):
             from rallypoint.transports.wire import DEFER
 
             mesh = DEFER  # DTensors with no target arrive as SentDTensor, placed when applied (_heal_step)
         if mesh is not None:
             extra["mesh"] = mesh
-        if extra and not _takes_into(self._transport):
-            extra = {}  # a transport not of ours (torchft's) takes neither: it builds the state itself
+        if extra and not _takes_into(self._transport, *(k for k in ("in_place", "defer_landing") if k in extra)):
+            extra = {}  # a transport not of ours (torchft's) takes none of these: it builds the state itself
         state = self._transport.recv_checkpoint(src_rank=src, metadata=meta, step=q.max_step, timeout=timeout,
                                                 **extra)
         self._log.info("received the state of step %d", q.max_step)
