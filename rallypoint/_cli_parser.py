@@ -198,7 +198,7 @@ def _build_parser() -> argparse.ArgumentParser:
     ij.add_argument("--for", dest="for_s", type=float, default=None,
                     help="seconds a hang or slowdown lasts (default: for good)")
     ij.add_argument("--factor", type=float, default=None, help="slow: how many times longer each step takes (3)")
-    ij.add_argument("--bit", type=int, default=None, help="bitflip-*: which bit of element 0 (30)")
+    ij.add_argument("--bit", type=int, default=None, help="bitflip-*: which bit to flip (30): of the gradient's first non-zero element, of the parameter's element 0")
     ij.add_argument("--lighthouse", default=None, help="gRPC address of the lighthouse (default: as for status)")
     _timeout(ij, 10.0)
     ij.add_argument("--job", default=None, help=JOB_HELP)

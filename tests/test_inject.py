@@ -22,7 +22,7 @@ import torch
 
 from rallypoint._net.inject import Injection, check_injection, encode_injections, parse_injections
 from rallypoint.lighthouse.injections import InjectionDesk, UnknownReplica, check_request, resolve
-from rallypoint.manager._inject import Injector, first_float_tensor, flip_bit
+from rallypoint.manager._inject import Injector, first_float_tensor, first_nonzero, flip_bit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,6 +103,18 @@ def test_flip_bit_changes_exactly_one_bit(dtype: torch.dtype) -> None:
     diff = (t.view(ints) ^ before.view(ints))[0].item()
     assert bin(diff & ((1 << bits) - 1)).count("1") == 1 and torch.equal(t[1:], before[1:])
     assert abs(t[0].item()) > 1e3 * abs(before[0].item())
+
+
+def test_a_gradient_bitflip_strikes_a_nonzero_element_so_a_check_can_see_it() -> None:
+    # A ReLU's dead units have exactly zero gradient; a flipped bit of a zero is at most 2.0.
+    g = torch.tensor([0.0, 0.0, 0.01, 0.02])
+    inj = Injector("r", lambda: {}, threading.Event(), allowed=True)
+    inj.add([Injection("1", "bitflip-grad", bit=30)])
+    inj.at_step_start(0, None)
+    assert inj.on_collective(g) is None
+    assert g[0] == 0 and g[1] == 0 and g[2].abs() > 1e30 and g[3] == torch.tensor(0.02)
+    assert first_nonzero(torch.zeros(3)) == 0 and first_nonzero(torch.zeros(0)) == 0
+    assert first_nonzero(torch.tensor([[0.0, 0.0], [0.0, -1.0]])) == 3
 
 
 def test_injector_arms_one_gradient_fault_per_round_and_honours_at_step() -> None:

@@ -18,8 +18,8 @@ it to every rank. Each rank carries it out at its next step boundary at or after
 - ``slow``: each step takes ``factor`` times longer (the time before the first collective
   is stretched), for ``for_s`` seconds or for good;
 - ``nan-grad`` / ``bitflip-grad``: the round's first gradient sent to ``allreduce`` gets a
-  NaN, or one flipped bit (``bit`` of element 0's bit pattern; 30, the top exponent bit
-  of a float32, turns 0.01 into about 3e36);
+  NaN in element 0, or one flipped bit in its first non-zero element (``bit`` of its bit
+  pattern; 30, the top exponent bit of a float32, turns 0.01 into about 3e36);
 - ``bitflip-param``: one bit of element 0 of the first floating-point tensor of the
   registered state is flipped (silently: nothing fails until a check compares replicas);
 - ``drop-collective``: the round's first collective fails, as a broken link would.
@@ -47,15 +47,23 @@ from rallypoint._net.inject import ALLOW_INJECT_ENV, MANAGER_KINDS, Injection, i
 log = logging.getLogger("rallypoint.manager")
 
 
-def flip_bit(t: torch.Tensor, bit: int) -> None:
-    """Flip ``bit`` of element 0's bit pattern, in place (any dtype; on its device)."""
+def flip_bit(t: torch.Tensor, bit: int, index: int = 0) -> None:
+    """Flip ``bit`` of element ``index``'s bit pattern, in place (any dtype; on its device)."""
     flat = t.detach().reshape(-1)
     width = flat.element_size() * 8
     ints = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
-    view = flat[:1].view(ints)
+    view = flat[index:index + 1].view(ints)
     b = bit % width
     mask = torch.tensor(1 << b if b < width - 1 else -(1 << b), dtype=ints, device=t.device)
     view.bitwise_xor_(mask)
+
+
+def first_nonzero(t: torch.Tensor) -> int:
+    """The index of ``t``'s first non-zero element (flattened), 0 when all are zero. Where
+    ``bitflip-grad`` strikes: one flipped bit of a zero is at most 2.0 (a ReLU's dead unit
+    has exactly zero gradient), too small for any check to tell from training."""
+    flat = t.detach().reshape(-1)
+    return int(torch.argmax(flat.ne(0).to(torch.uint8)).item()) if flat.numel() else 0
 
 
 def first_float_tensor(tree: Any) -> torch.Tensor | None:
@@ -175,8 +183,8 @@ class Injector:
             if inj.kind == "nan-grad" and tensor.numel():
                 tensor.reshape(-1)[0] = float("nan")
             elif inj.kind == "bitflip-grad" and tensor.numel():
-                flip_bit(tensor, inj.bit)
+                flip_bit(tensor, inj.bit, first_nonzero(tensor))
         return None
 
 
-__all__ = ["Injector", "first_float_tensor", "flip_bit"]
+__all__ = ["Injector", "first_float_tensor", "first_nonzero", "flip_bit"]
