@@ -132,12 +132,17 @@ class QuorumRounds:
 
     def _state_to_land_in(self) -> Any:
         """Our state, for a quorum-thread heal to land in later (only its layout is read
-        here); None, receiving fresh memory as before, when the state cannot be read now."""
+        here); None, receiving fresh memory as before, when the state cannot be read now or
+        holds DTensors (heals of DTensor state belong on the training thread: only a
+        caller's explicit ``heal_on_training_thread=False`` brings them here)."""
+        from rallypoint.manager._heal_thread import holds_dtensor
+
         try:
-            return self._manager_state_dict()
+            state = self._manager_state_dict()
         except Exception as e:  # noqa: BLE001 - a state_dict callback that fails off the training thread
             self._log.info("heal: receiving into fresh memory, the state could not be read here: %s", e)
             return None
+        return None if holds_dtensor(state) else state
 
     def _took_quorum(self, rnd: _Round, q: Any, allow_heal: bool) -> None:
         """Act on this round's quorum ``q``: participation, (re)configure, heal plans."""
