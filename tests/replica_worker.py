@@ -14,6 +14,9 @@ wall-clock limit). Options (a JSON object on the command line):
   it to a healing peer) or ``receiving`` (a healed state arrived and was not
   applied yet), both from step N on (default 0). ``local_error`` kills nothing: the
   group reports an error after its collectives at step N, once, so it alone fails that step.
+- ``fail_every``: N: the group reports an error at every step divisible by N (once each), so
+  it alone fails that step and heals from a peer at the next quorum: a long-lived process
+  healing again and again (receive buffers kept from heal to heal).
 - ``mode``: ``"fixed"`` for ``WorldSizeMode.FIXED_WITH_SPARES``; ``min_replica_size``.
 - ``transport``: ``"pg"`` heals over the cross-replica process group (``PGTransport``);
   ``"torchft_http"`` with torchft 0.2.0's own ``HTTPTransport`` (what a torchft user may
@@ -164,7 +167,9 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
         served._pieces = dying
     gen = torch.Generator().manual_seed(1000 + seed)
     history: list[list[int]] = []
+    failed_at: set[int] = set()  # steps failed on purpose (fail_every)
     failed: list[int] = []  # current_step() of the rounds that did not commit
+    hashes: dict[str, str] = {}  # the parameters' hash at each of the last steps (Replicas.assert_identical)
     t0 = time.monotonic()
     rc = 0
     delay = float(opts.get("delay", 0.05))
@@ -193,6 +198,10 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
                     _die()
             for w in works:
                 w.wait()
+            every = int(opts.get("fail_every", 0))
+            if every and m.current_step() % every == 0 and m.current_step() not in failed_at:
+                failed_at.add(m.current_step())  # once per step: it heals to the next one
+                m.report_error(RuntimeError(f"test: fail step {m.current_step()} (fail_every={every})"))
             if at("local_error") and not fault.get("done"):
                 fault["done"] = True  # once: this group alone fails the step; its peers commit it
                 m.report_error(RuntimeError("test: a local error after the step's collectives"))
@@ -206,10 +215,14 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
                 failed.append(m.current_step())
             history.append([m.current_step(), participants, int(spare)])
             h = hashlib.sha256(repr([p.detach().flatten().tolist() for p in model.parameters()]).encode()).hexdigest()
+            hashes[str(m.current_step())] = h
+            while len(hashes) > 32:
+                del hashes[next(iter(hashes))]
             tmp = out + ".tmp"
             Path(tmp).write_text(json.dumps({
                 "step": m.current_step(), "batches": m.batches_committed(), "hash": h,
-                "history": history, "replica_id": m.replica_id, "failed": failed,
+                "history": history, "hashes": hashes, "replica_id": m.replica_id,
+                "heal_reused": getattr(getattr(m._transport, "receive_pool", None), "reused_bytes", 0), "failed": failed,
                 "state_threads": sorted(state_threads), "train_thread": threading.current_thread().name,
             }))
             os.replace(tmp, out)
@@ -325,11 +338,32 @@ class Replicas:
                 p.wait(5)
 
     def assert_identical(self, names: list[str], target: int) -> None:
+        """Every replica stopped at ``target`` with the same parameters.
+
+        One ending is the harness's, not a divergence: a replica that failed the round
+        before ``target`` is one step behind when its peers reach ``target`` and stop, and
+        with ``min_replicas=1`` it commits the last step alone (its last history row has
+        fewer participants). Such a replica is then compared with the others at the last
+        step it reached in a full-quorum round (at most two steps before ``target``), where
+        the states must be equal; the others must still be equal at ``target``."""
         prog = [self.progress(n) for n in names]
         assert all(p is not None for p in prog), self.logs()
         assert [p["step"] for p in prog] == [target] * len(names), (prog, self.logs())
-        assert len({p["hash"] for p in prog}) == 1, ([p["hash"] for p in prog], self.logs())
-        assert len({p["batches"] for p in prog}) == 1, prog
+        finals = [p["hash"] for p in prog]
+        if len(set(finals)) == 1:
+            assert len({p["batches"] for p in prog}) == 1, prog
+            return
+        full = len(names)
+        lone = [i for i, p in enumerate(prog) if p["history"] and p["history"][-1][1] < full]
+        why = (f"the replicas' parameters differ at step {target}: {dict(zip(names, finals))}; "
+               f"last rounds {[(n, p['history'][-3:], p['failed'][-3:]) for n, p in zip(names, prog)]}")
+        assert lone and len(lone) < full, (why, self.logs())
+        assert len({finals[i] for i in range(full) if i not in lone}) == 1, (why, self.logs())
+        together = min(max((row[0] for row in prog[i]["history"] if row[1] == full), default=-1) for i in lone)
+        assert together >= target - 2, (f"{why}; the lone replicas' last full-quorum step is {together}", self.logs())
+        at = [p.get("hashes", {}).get(str(together)) for p in prog]
+        assert None not in at and len(set(at)) == 1, \
+            (f"{why}; and at step {together}, the last they committed together: {dict(zip(names, at))}", self.logs())
 
 
 if __name__ == "__main__":

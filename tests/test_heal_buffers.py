@@ -7,7 +7,7 @@ that does not own its storage is copied into without touching its neighbours."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -267,7 +267,7 @@ class _NoPool(_Ours):
 
 
 class _OnDevice(_Ours):
-    _on_device = True
+    receives_on_device = True
 
 
 @pytest.mark.parametrize("transport,want", [
@@ -284,3 +284,65 @@ def test_which_quorum_thread_heals_land_later(transport: Any, want: bool) -> Non
 
     h = Healer(transport, 0, TEN, TEN, logging.LoggerAdapter(logging.getLogger("t"), {}))
     assert h.lands_later() is want
+
+
+def test_a_replica_process_that_fails_every_third_step_heals_warm_each_time(lighthouse, replicas_factory) -> None:
+    """Real processes, the default quorum-thread heal: replica_1 fails every third step on
+    its own and heals from a peer at the next quorum, into the buffers its last heal left
+    (reused bytes > 0), while replica_2 is SIGKILLed and restarted twice (gloo rounds
+    broken under everyone). The three end with identical parameters."""
+    lh = lighthouse(min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000)
+    r = replicas_factory(lh)
+    opts = {"delay": 0.01, "width": 20000}
+    r.start("replica_0", seed=1, **opts)
+    r.start("replica_1", seed=2, fail_every=3, **opts)
+    r.start("replica_2", seed=3, **opts)
+    r.wait_for("steady training", lambda: min(r.step(f"replica_{i}") for i in range(3)) >= 3, 40)
+    for k in range(2):
+        victim = r.procs[[key for key in r.procs if key.startswith("replica_2#")][-1]]
+        victim.kill()
+        victim.wait(10)
+        s = r.step("replica_0")
+        r.wait_for("the survivors go on", lambda: min(r.step("replica_0"), r.step("replica_1")) >= s + 3, 30)
+        r.start("replica_2", seed=3, **opts)
+        r.wait_for("replica_2 healed", lambda: r.step("replica_2") >= r.step("replica_0") - 1 >= s + 4, 40)
+    r.wait_for("replica_1 healed into its kept buffers",
+               lambda: (r.progress("replica_1") or {}).get("heal_reused", 0) > 0, 30)
+    target = max(r.step(f"replica_{i}") for i in range(3)) + 4
+    r.finish(target, timeout=40)
+    r.assert_identical([f"replica_{i}" for i in range(3)], target)
+    one = r.progress("replica_1")
+    assert one is not None and one["heal_reused"] > 0, one
+    assert len(one["failed"]) >= 3, one["failed"]
+
+
+@pytest.mark.parametrize("case, ok", [
+    ("identical", True),
+    ("diverged", False),  # same step, different parameters, everyone in the full quorum
+    ("lone_tail", True),  # one step behind when its peers stopped: committed the last alone
+    ("lone_tail_diverged_before", False),  # ... but already different where they were together
+])
+def test_assert_identical_tells_a_lone_last_step_from_a_divergence(tmp_path, case: str, ok: bool) -> None:
+    """The harness's end check (``Replicas.assert_identical``) is not vacuous: a divergence
+    fails it, and only a replica that committed the final step alone after its peers
+    stopped is compared where they last stepped together."""
+    import json
+
+    from replica_worker import Replicas
+
+    r = Replicas(tmp_path, "unused")
+    full = [[8, 3, 0], [9, 3, 0], [10, 3, 0]]
+    rows = {n: {"step": 10, "batches": 30, "hash": "A", "history": full, "failed": [], "hashes": {"9": "a9", "10": "A"}}
+            for n in ("x", "y", "z")}
+    if case == "diverged":
+        rows["z"]["hash"] = "B"
+    if case.startswith("lone_tail"):
+        rows["z"].update(hash="B", batches=28, history=[[9, 3, 0], [9, 3, 0], [10, 1, 0]], failed=[9],
+                         hashes={"9": "a9" if case == "lone_tail" else "b9", "10": "B"})
+    for n, row in rows.items():
+        (tmp_path / f"{n}.json").write_text(json.dumps(row))
+    if ok:
+        r.assert_identical(["x", "y", "z"], 10)
+    else:
+        with pytest.raises(AssertionError, match="parameters differ"):
+            r.assert_identical(["x", "y", "z"], 10)

@@ -170,7 +170,7 @@ class Healer:
         goes as the transport does it by default, and applying copies it."""
         if self._lands_later is None:
             self._lands_later = getattr(self._transport, "receive_pool", None) is not None \
-                and not getattr(self._transport, "_on_device", False) \
+                and not getattr(self._transport, "receives_on_device", False) \
                 and _takes_into(self._transport, "defer_landing", "in_place")
         return self._lands_later
 

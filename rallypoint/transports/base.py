@@ -38,8 +38,13 @@ class CheckpointTransportLike(Protocol[T]):
     served state is frozen by ``disallow_checkpoint``), ``freeze_checkpoint()`` (keep
     serving, but make the served state independent of the caller's: the manager calls
     it instead of ``disallow_checkpoint`` after serving on the training thread).
-    ``recv_checkpoint`` is passed ``into=`` / ``mesh=`` only when the manager heals on
-    the training thread (FSDP); a transport used there must accept them.
+    ``recv_checkpoint`` is passed ``into=`` / ``mesh=`` when the manager heals on the
+    training thread (FSDP; a transport used there must accept them), and on the quorum
+    thread only when the transport keeps receive buffers (``receive_pool`` not None),
+    receives into host memory (``receives_on_device`` false or absent) and its
+    ``recv_checkpoint`` takes ``in_place`` and ``defer_landing``: it then returns a
+    :class:`~rallypoint.transports.wire.Landing` the training thread lands when it applies
+    the heal. Any other transport (torchft's) is called with the four positional ones.
     """
 
     def metadata(self) -> str:

@@ -245,11 +245,15 @@ class PGTransport(CheckpointTransport[Any]):
     # ------------------------------------------------------------------ helpers
 
     @property
-    def _on_device(self) -> bool:
+    def receives_on_device(self) -> bool:
+        """Whether received tensors land in device memory (``device=`` not the CPU): the
+        Manager then leaves a quorum-thread heal's landing to the transport's default
+        (a deferred landing would hold a second device copy of the state until applied)."""
         return self._device.type != "cpu"
 
+
     def _send(self, t: torch.Tensor, dst: int) -> Any:
-        if self._on_device:
+        if self.receives_on_device:
             t = t.to(self._device, non_blocking=False)
         return self._pg.send([t], dst, TAG)
 
@@ -273,7 +277,7 @@ class PGTransport(CheckpointTransport[Any]):
         (the others were served)."""
         dl = _Deadline(timeout or self._timeout)
         stats = self.last_send = TransferStats(peers=list(dst_ranks))
-        enc = encode(state_dict, extra={"step": int(step)}, keep_device=self._device if self._on_device else None)
+        enc = encode(state_dict, extra={"step": int(step)}, keep_device=self._device if self.receives_on_device else None)
         prefix = torch.frombuffer(bytearray(enc.header[:PREFIX_BYTES]), dtype=torch.uint8)
         body_bytes = enc.header[PREFIX_BYTES:]
         body = torch.frombuffer(bytearray(body_bytes), dtype=torch.uint8) if body_bytes else None
@@ -416,7 +420,7 @@ class PGTransport(CheckpointTransport[Any]):
                     "the quorum's recovery assignment is stale: rejoin the next quorum"
                 )
             sink = Sink(header, into=into, in_place=in_place, mesh=mesh,
-                        device=self._device if self._on_device else None, pool=self.receive_pool,
+                        device=self._device if self.receives_on_device else None, pool=self.receive_pool,
                         defer=defer_landing and into is not None)
             try:
                 self._recv_data(src, header, sink, dl, stats)
@@ -474,7 +478,7 @@ class PGTransport(CheckpointTransport[Any]):
                 dest = sink.destination(ti)
                 if sink.writes_into_target(ti):
                     sink.target_touched = True
-                if not self._on_device or dest.device == self._device:
+                if not self.receives_on_device or dest.device == self._device:
                     buf = _u8(dest)  # straight into its storage: host for gloo, the device for NCCL
                     dest = buf
                 else:

@@ -364,6 +364,11 @@ class Sink:
             return Landing(self)
         return self.land()
 
+    @property
+    def landed(self) -> bool:
+        """Whether :meth:`land` ran (a deferred state lands once)."""
+        return self._landed
+
     def land(self) -> Any:
         """The verified state into the targets (swapped or copied) and the result tree; once."""
         if self._landed:
@@ -431,7 +436,7 @@ class Landing:
         return self._sink.land()
 
     def __repr__(self) -> str:
-        return f"Landing({len(self._sink.header.tensors)} tensors, {self.nbytes} bytes, landed={self._sink._landed})"
+        return f"Landing({len(self._sink.header.tensors)} tensors, {self.nbytes} bytes, landed={self._sink.landed})"
 
 
 def _build(node: dict[str, Any], leaves: list[Any]) -> Any:
