@@ -155,13 +155,21 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
     return rc
 
 
+#: per progress file: the parameters' hash at each of the last steps (Replicas.assert_identical)
+_HASHES: dict[str, dict[str, str]] = {}
+
+
 def _write(out: str, m: Any, model: Any, history: list[list[int]], **extra: Any) -> None:
     """Atomically replace the progress file (the test polls it)."""
     h = hashlib.sha256(repr([p.detach().flatten().tolist() for p in model.parameters()]).encode()).hexdigest()
+    hashes = _HASHES.setdefault(out, {})
+    hashes[str(m.current_step())] = h
+    while len(hashes) > 32:
+        del hashes[next(iter(hashes))]
     tmp = out + ".tmp"
     Path(tmp).write_text(json.dumps({
         "step": m.current_step(), "batches": m.batches_committed(), "hash": h,
-        "history": history, "replica_id": m.replica_id, **extra,
+        "history": history, "hashes": hashes, "replica_id": m.replica_id, **extra,
     }))
     os.replace(tmp, out)
 

@@ -92,6 +92,7 @@ def run(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dict[s
 
     it = batches()
     history: list[list[Any]] = []
+    hashes: dict[str, str] = {}
     t0 = time.monotonic()
     rc = 0
     delay = float(opts.get("delay", 0.05))
@@ -115,11 +116,14 @@ def run(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dict[s
             lr = opt.param_groups[0]["lr"]
             history.append([m.current_step(), participants, int(committed), lr])
             h = hashlib.sha256(repr([p.detach().flatten().tolist() for p in model.parameters()]).encode()).hexdigest()
+            hashes[str(m.current_step())] = h  # the last steps' hashes: Replicas.assert_identical
+            while len(hashes) > 32:
+                del hashes[next(iter(hashes))]
             tmp = out + ".tmp"
             Path(tmp).write_text(json.dumps({
                 "step": m.current_step(), "batches": m.batches_committed(), "hash": h, "lr": lr,
                 "last_lr": sched.get_last_lr(), "sched_epoch": sched.last_epoch, "sampler": sampler.state_dict(),
-                "history": history, "replica_id": m.replica_id,
+                "history": history, "hashes": hashes, "replica_id": m.replica_id,
             }))
             os.replace(tmp, out)
             time.sleep(delay)  # paces the replicas so they overlap; not a wait for an event
