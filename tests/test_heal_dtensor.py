@@ -189,7 +189,9 @@ def test_manager_heals_a_late_replicas_dtensor_state_by_default(mesh1: Any, ligh
                 time.sleep(0.02)
             assert m.current_step() >= target, f"{name} stuck at step {m.current_step()}: {m.errored()}"
             out = {f"p.{n}": _local(p) for n, p in model.named_parameters()}
-            out["healed"] = torch.tensor([any(r.healing and r.outcome == "committed" for r in m.step_records())])
+            # A healing round (not necessarily committed: a round that fails for both after
+            # the state landed leaves b at a's state and step, with nothing left to heal).
+            out["healed"] = torch.tensor([any(r.healing for r in m.step_records())])
             for i, p in enumerate(model.parameters()):
                 out[f"m.{i}"] = _local(opt.state[p]["momentum_buffer"])
             return out
@@ -199,7 +201,7 @@ def test_manager_heals_a_late_replicas_dtensor_state_by_default(mesh1: Any, ligh
 
     sa, sb = early_then_late(lambda ahead: replica("dt_a", 1, ahead), lambda: replica("dt_b", 2, None),
                              "replica a never reached step 3")
-    assert sb.pop("healed").item() and not sa.pop("healed").item()  # b healed (and committed that round)
+    assert sb.pop("healed").item() and not sa.pop("healed").item()  # b healed; a never did
     assert sorted(sa) == sorted(sb)
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
