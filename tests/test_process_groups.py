@@ -360,3 +360,26 @@ def test_baby_abort_kills_the_child_and_reconfigure_replaces_it(master: Any) -> 
     pg.shutdown()
     with pytest.raises(FileNotFoundError):
         open(f"/proc/{second}/stat").close()
+
+
+def test_baby_abort_of_a_child_reaped_meanwhile_raises_nothing(master: Any) -> None:
+    """The reader thread may reap a dying child (reading its exit code) between abort's
+    ``is_alive()`` and its kill: abort still ends quietly, the group reads aborted, and a
+    configure replaces the child (it raised ProcessLookupError: a CI failure)."""
+    from rallypoint.process_groups import ProcessGroupBabyGloo
+
+    pg = ProcessGroupBabyGloo(timeout=T(seconds=10))
+    pg.configure(addr(master), "r", 0, 1, quorum_id=1)
+    proc = pg._proc
+    assert proc is not None
+    proc.kill()
+    proc.join(10)  # reaped here, as the reader thread would
+    assert proc.exitcode is not None
+    proc.is_alive = lambda: True  # type: ignore[method-assign]  # what abort saw just before
+    pg.abort()
+    assert isinstance(pg.errored(), ProcessGroupAborted)
+    pg.configure(addr(master), "r", 0, 1, quorum_id=2)
+    t = torch.tensor([1.0, 3.0])
+    pg.allreduce([t], ReduceOp.AVG).wait()
+    assert t.tolist() == [1.0, 3.0] and pg.errored() is None
+    pg.shutdown()

@@ -19,8 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -181,7 +179,10 @@ class ProcessGroupBaby(ProcessGroup):
                 except OSError:
                     pass
             if proc.is_alive():
-                os.kill(proc.pid, signal.SIGKILL)
+                # proc.kill(), not os.kill(pid): the reader thread may reap the child between
+                # is_alive() and the signal (reading its exitcode), and multiprocessing sends
+                # nothing to a reaped child (no ProcessLookupError, no signal to a reused pid).
+                proc.kill()
             proc.join(10.0)
             proc.close()
         if reader is not None and reader is not threading.current_thread():
@@ -197,7 +198,7 @@ class ProcessGroupBaby(ProcessGroup):
         """Kill the child now; pending ops fail; the group needs a configure."""
         proc = self._proc
         if proc is not None and proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
+            proc.kill()
         super().abort()
 
     def child_pid(self) -> int | None:
@@ -445,7 +446,7 @@ class ProcessGroupBaby(ProcessGroup):
         self._record_error(err)
         proc = self._proc
         if proc is not None and proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
+            proc.kill()
 
     # ------------------------------------------------------------------ collectives
 
