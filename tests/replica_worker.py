@@ -356,7 +356,7 @@ class Replicas:
         full = len(names)
         lone = [i for i, p in enumerate(prog) if p["history"] and p["history"][-1][1] < full]
         why = (f"the replicas' parameters differ at step {target}: {dict(zip(names, finals))}; "
-               f"last rounds {[(n, p['history'][-3:], p['failed'][-3:]) for n, p in zip(names, prog)]}")
+               f"last rounds {[(n, p['history'][-3:], p.get('failed', [])[-3:]) for n, p in zip(names, prog)]}")
         assert lone and len(lone) < full, (why, self.logs())
         assert len({finals[i] for i in range(full) if i not in lone}) == 1, (why, self.logs())
         together = min(max((row[0] for row in prog[i]["history"] if row[1] == full), default=-1) for i in lone)
