@@ -270,3 +270,33 @@ def test_a_member_without_a_handle_makes_everyone_configure(lighthouse: Any, pg_
             m.shutdown(wait=False)
         for pg in pgs:
             pg.shutdown()
+
+
+def test_the_handle_store_opens_when_the_manager_starts_not_in_the_first_step(lighthouse: Any,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first quorum request carries the group's handle, whose store (a TCPStore server)
+    can take seconds to open on a loaded host: it is opened while the Manager is built, so
+    the first ``start_quorum`` (torchft's test bounds one with a 0.01 s quorum timeout by
+    1 s) opens nothing."""
+    from rallypoint.process_groups import ProcessGroupGloo
+    from rallypoint.process_groups.reconfigure import HandleStore
+
+    opened: list[str] = []
+    real_open = HandleStore._open
+
+    def counting(self: HandleStore) -> Any:
+        opened.append("open")
+        return real_open(self)
+
+    monkeypatch.setattr(HandleStore, "_open", counting)
+    lh = lighthouse(min_replicas=1, join_timeout_ms=100)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+    m = _manager(lh, pg, "early_handle", 1)
+    try:
+        assert opened == ["open"]
+        m.start_quorum()
+        m.wait_quorum()
+        assert opened == ["open"] and m.errored() is None
+    finally:
+        m.shutdown(wait=False)
+        pg.shutdown()

@@ -214,12 +214,6 @@ RACY = {
         "on torch 2.14.1, _05 on 2.13.0, both wheels' copies of the test); 36 of 36 runs of the upscale tests "
         "alone pass, and 4 of 4 full-file runs on torch 2.13.0 and 2.14.1 when the machine is less loaded"
     ),
-    "torchft.manager_integ_test.ManagerIntegTest.test_quorum_timeout": (
-        "it bounds one start_quorum(timeout=0.01s) call by 1.0 s of wall clock; in one CI run of the full file "
-        "on torch 2.14.1 the call took 5.0 s although the quorum itself timed out at once (logged 'timed out "
-        "after 0.0s'), so the time went elsewhere in the round, cause not found yet. Here: 1 "
-        "failure (5 s again) in 21 full-file runs, 4 of 4 runs alone passed. A real slowdown fails both reruns"
-    ),
 }
 
 PER_TEST_TIMEOUT_S = 90

@@ -197,6 +197,19 @@ class Configurer:
         if hostname and self.kind.reconfigure and callable(set_handle_host):
             set_handle_host(hostname)
 
+    def prepare(self) -> None:
+        """Make the handle now, at the Manager's start, not inside the first step: it opens
+        a rallypoint group's handle store, a TCPStore server, and creating one stalled for
+        5 s now and then on the 2-core test VM (about 1 in 50 under load; torch's own, a plain
+        loopback socket does not), which the first quorum's timeout should not pay for. A failure
+        is left for the first quorum to raise, as before."""
+        if not self.kind.reconfigure:
+            return
+        try:
+            self.handle()
+        except Exception as e:  # noqa: BLE001 - the first quorum raises it where a round can fail
+            self.log.debug("reconfigure handle not made at start: %s", e)
+
     def handle(self) -> str:
         """The handle to send with this quorum request (``''``: none)."""
         return str(self.pg.get_reconfigure_handle()) if self.kind.reconfigure else ""

@@ -208,6 +208,7 @@ class Manager(GroupConnection, QuorumRounds, TorchftApi):
             raise
         self._ff.replica_id = self._injector.replica = self._replica_id
         self._configurer.set_replica(self._replica_id, hostname)
+        self._configurer.prepare()  # the handle store opens here, not in the first step
         if os.environ.get("RALLYPOINT_CHECKPOINT_DIR"):  # durable checkpoints with no code change
             from rallypoint.checkpoint.durable import attach_from_env
             attach_from_env(self)
