@@ -28,7 +28,6 @@ Options (a JSON object on the command line):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import select
@@ -41,7 +40,7 @@ from typing import Any
 
 import zygote
 
-from replica_worker import Replicas
+from replica_worker import Replicas, record_hash
 
 HERE = Path(__file__).resolve()
 LIMIT_S = 60.0  # a worker's own wall-clock limit
@@ -161,11 +160,8 @@ _HASHES: dict[str, dict[str, str]] = {}
 
 def _write(out: str, m: Any, model: Any, history: list[list[int]], **extra: Any) -> None:
     """Atomically replace the progress file (the test polls it)."""
-    h = hashlib.sha256(repr([p.detach().flatten().tolist() for p in model.parameters()]).encode()).hexdigest()
     hashes = _HASHES.setdefault(out, {})
-    hashes[str(m.current_step())] = h
-    while len(hashes) > 32:
-        del hashes[next(iter(hashes))]
+    h = record_hash(hashes, m.current_step(), model)
     tmp = out + ".tmp"
     Path(tmp).write_text(json.dumps({
         "step": m.current_step(), "batches": m.batches_committed(), "hash": h,

@@ -16,7 +16,6 @@ exist before it joins, so a test can have a replacement ready before it kills a 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from replica_worker import Replicas
+from replica_worker import Replicas, record_hash
 
 HERE = Path(__file__).resolve()
 LIMIT_S = 60.0  # a worker's own wall-clock limit, from joining
@@ -115,10 +114,7 @@ def run(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dict[s
             committed = opt.step()
             lr = opt.param_groups[0]["lr"]
             history.append([m.current_step(), participants, int(committed), lr])
-            h = hashlib.sha256(repr([p.detach().flatten().tolist() for p in model.parameters()]).encode()).hexdigest()
-            hashes[str(m.current_step())] = h  # the last steps' hashes: Replicas.assert_identical
-            while len(hashes) > 32:
-                del hashes[next(iter(hashes))]
+            h = record_hash(hashes, m.current_step(), model)
             tmp = out + ".tmp"
             Path(tmp).write_text(json.dumps({
                 "step": m.current_step(), "batches": m.batches_committed(), "hash": h, "lr": lr,

@@ -49,6 +49,21 @@ HERE = Path(__file__).resolve()
 LIMIT_S = 60.0  # a worker's own wall-clock limit
 
 
+#: How many of the last steps' parameter hashes a worker keeps for ``Replicas.assert_identical``.
+KEPT_HASHES = 32
+
+
+def record_hash(hashes: dict[str, str], step: int, model: Any) -> str:
+    """Hash ``model``'s parameters, keep it in ``hashes`` under ``step`` (only the last
+    ``KEPT_HASHES`` steps stay) and return it. Every worker's progress file carries these
+    for ``Replicas.assert_identical``'s lone-last-step check."""
+    h = hashlib.sha256(repr([p.detach().flatten().tolist() for p in model.parameters()]).encode()).hexdigest()
+    hashes[str(step)] = h
+    while len(hashes) > KEPT_HASHES:
+        del hashes[next(iter(hashes))]
+    return h
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -173,6 +188,7 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
     t0 = time.monotonic()
     rc = 0
     delay = float(opts.get("delay", 0.05))
+    every = int(opts.get("fail_every", 0))
 
 
     try:
@@ -198,7 +214,6 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
                     _die()
             for w in works:
                 w.wait()
-            every = int(opts.get("fail_every", 0))
             if every and m.current_step() % every == 0 and m.current_step() not in failed_at:
                 failed_at.add(m.current_step())  # once per step: it heals to the next one
                 m.report_error(RuntimeError(f"test: fail step {m.current_step()} (fail_every={every})"))
@@ -214,10 +229,7 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
             else:
                 failed.append(m.current_step())
             history.append([m.current_step(), participants, int(spare)])
-            h = hashlib.sha256(repr([p.detach().flatten().tolist() for p in model.parameters()]).encode()).hexdigest()
-            hashes[str(m.current_step())] = h
-            while len(hashes) > 32:
-                del hashes[next(iter(hashes))]
+            h = record_hash(hashes, m.current_step(), model)
             tmp = out + ".tmp"
             Path(tmp).write_text(json.dumps({
                 "step": m.current_step(), "batches": m.batches_committed(), "hash": h,

@@ -31,7 +31,7 @@ from torch import nn
 from rallypoint.manager._heal import Healer
 from rallypoint.manager._heal_thread import HealThread, decide, heal_thread, holds_dtensor
 from rallypoint.transports.http import HTTPTransport, SourceRefused, TransferError
-from replica_pair import early_then_late
+from replica_pair import done_together, early_then_late
 
 
 
@@ -210,8 +210,6 @@ def test_a_joiner_slower_to_ask_than_the_senders_step_heals_on_the_training_thre
     lh = lighthouse(min_replicas=1, join_timeout_ms=300)
     target = 12
 
-    joined = threading.Event()  # the sender waits at step 4 for the joiner's Manager: it heals from a live sender
-
     def run(name: str, slow: bool, started: threading.Event | None) -> tuple[int, bool, int]:
         def sd() -> dict[str, Any]:
             if slow:
@@ -219,16 +217,12 @@ def test_a_joiner_slower_to_ask_than_the_senders_step_heals_on_the_training_thre
             return {"meta": {"name": "x"}}
 
         m, pg = _manager(lh, name, sd, lambda s: None, heal_on_training_thread=True)
-        if started is None:
-            joined.set()
         refused = 0
         try:
             deadline = time.monotonic() + 60
-            while m.current_step() < target and time.monotonic() < deadline:
+            while not done_together(m, target) and time.monotonic() < deadline:
                 if started is not None and m.current_step() >= 3:
                     started.set()
-                    if m.current_step() >= 4:
-                        assert joined.wait(60), "the joiner never started"
                 m.start_quorum()
                 m.allreduce(torch.ones(1)).wait()
                 m.should_commit()
@@ -260,8 +254,6 @@ def test_fsdp2_state_heals_with_the_default_arguments_never_read_mid_forward(mes
     lh = lighthouse(min_replicas=1, join_timeout_ms=300)
     target = 8
     bad: list[str] = []
-    joined = threading.Event()  # the sender waits at step 4 for the joiner's Manager: it heals from a live sender
-
     def replica(name: str, seed: int, started: threading.Event | None) -> dict[str, Any]:
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -291,15 +283,11 @@ def test_fsdp2_state_heals_with_the_default_arguments_never_read_mid_forward(mes
 
         m, pg = _manager(lh, name, None, None)  # torchft's arguments only
         m.set_state_dict_fns(load, save)
-        if started is None:
-            joined.set()
         try:
             deadline = time.monotonic() + 60
-            while m.current_step() < target and time.monotonic() < deadline:
+            while not done_together(m, target) and time.monotonic() < deadline:
                 if started is not None and m.current_step() >= 3:
                     started.set()
-                    if m.current_step() >= 4:
-                        assert joined.wait(60), "the late replica never started"
                 m.start_quorum()
                 g = torch.Generator().manual_seed(m.current_step())
                 x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
@@ -309,7 +297,8 @@ def test_fsdp2_state_heals_with_the_default_arguments_never_read_mid_forward(mes
                     m.allreduce(p.grad.to_local()).wait()  # type: ignore[union-attr]
                 if m.should_commit():
                     opt.step()
-            assert m.current_step() >= target, f"{name} stuck at step {m.current_step()}: {m.errored()}"
+            assert done_together(m, target), (f"{name} at step {m.current_step()}, no round committed with both "
+                                              f"replicas: {m.errored()}")
             out: dict[str, Any] = {f"p.{n}": p.to_local().detach().clone()  # type: ignore[attr-defined]
                                    for n, p in model.named_parameters()}
             for i, p in enumerate(model.parameters()):

@@ -17,7 +17,7 @@ from torch import nn
 from rallypoint.manager._heal_step import place_dtensors
 from rallypoint.transports import wire
 from rallypoint.transports._rebuild import has_sent_dtensors, rebuild_dtensors
-from replica_pair import early_then_late
+from replica_pair import done_together, early_then_late
 
 
 
@@ -173,7 +173,7 @@ def test_manager_heals_a_late_replicas_dtensor_state_by_default(mesh1: Any, ligh
                              lambda: {"model": model.state_dict(), "optim": opt.state_dict()})
         try:
             deadline = time.monotonic() + 60
-            while m.current_step() < target and time.monotonic() < deadline:
+            while not done_together(m, target) and time.monotonic() < deadline:
                 if started is not None and m.current_step() >= 3:
                     started.set()  # the late replica may start now
                 m.start_quorum()
@@ -187,7 +187,8 @@ def test_manager_heals_a_late_replicas_dtensor_state_by_default(mesh1: Any, ligh
                 if m.should_commit():
                     opt.step()
                 time.sleep(0.02)
-            assert m.current_step() >= target, f"{name} stuck at step {m.current_step()}: {m.errored()}"
+            assert done_together(m, target), (f"{name} at step {m.current_step()}, no round committed with both "
+                                              f"replicas: {m.errored()}")
             out = {f"p.{n}": _local(p) for n, p in model.named_parameters()}
             # A healing round (not necessarily committed: a round that fails for both after
             # the state landed leaves b at a's state and step, with nothing left to heal).
