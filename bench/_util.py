@@ -263,6 +263,19 @@ class Child:
             pass
 
 
+def recv_result(c: Child, timeout: float) -> dict[str, Any]:
+    """The ``result`` a worker sends (``{"result": ...}``), skipping its other lines;
+    ``ChildError`` with its log's tail when none comes within ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise ChildError(f"{c.name} (pid {c.pid}) gave no result within {timeout:.0f}s; log: {c.log_tail()}")
+        obj = c.recv(left)
+        if isinstance(obj, dict) and "result" in obj:
+            return obj["result"]
+
+
 def close_all(children: Iterable[Child | None], grace: float = 5.0) -> None:
     for c in children:
         if c is not None:

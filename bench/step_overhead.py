@@ -265,17 +265,6 @@ class _Lighthouse:
             self.server = None
 
 
-def _recv_result(c: Child, timeout: float) -> dict[str, Any]:
-    end = time.monotonic() + timeout
-    while True:
-        left = end - time.monotonic()
-        if left <= 0:
-            raise _util.ChildError(f"{c.name} (pid {c.pid}) gave no result within {timeout:.0f}s; log: {c.log_tail()}")
-        obj = c.recv(left)
-        if isinstance(obj, dict) and "result" in obj:
-            return obj["result"]
-
-
 def _check_tls_lighthouse(lh: _Lighthouse, tls: _util.TlsJob) -> dict[str, str]:
     """The ``ours_tls`` lighthouse refuses what is not the job's mutual TLS: a
     clear-text client, and a TLS client without a client certificate (each would fail
@@ -326,7 +315,7 @@ def run_variant(variant: str, plan: dict[str, Any], store_port: int, timeout_s: 
             wplan = dict(plan, variant=variant, rank=rank, store_port=store_port, lighthouse=lh.addr())
             children.append(Child([sys.executable, __file__, "--worker", json.dumps(wplan)],
                                   name=f"step-{variant}-{rank}", env=env, cwd=str(REPO)))
-        results = [_recv_result(c, timeout_s) for c in children]
+        results = [_util.recv_result(c, timeout_s) for c in children]
         results[0]["lh_cpu_s"] = time.process_time() - cpu0 if lh.server is not None else None
         results[0]["group_steps"] = 2 * (plan["warmup"] * len(MODELS) + sum(plan["steps"].values()))
         for c in children:

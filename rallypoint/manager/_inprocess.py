@@ -40,7 +40,8 @@ class InProcessCalls:
     def _join_quorum(self, req: pb.ManagerQuorumRequest, remaining: float | None,
                      stats: dict[str, Any] | None = None) -> Any: ...
 
-    def _vote(self, rank: int, step: int, vote: bool) -> Any: ...
+    def _vote(self, rank: int, step: int, vote: bool, asks_next: bool = False,
+              stats: dict[str, Any] | None = None) -> Any: ...
 
     def _bind_rank(self, rank: int, key: str | None, peer: str) -> str | None: ...
 
@@ -81,12 +82,13 @@ class InProcessCalls:
     def local_should_commit(self, rank: int, step: int, vote: bool, timeout: float) -> bool:
         """``ShouldCommit`` for a rank in this process. A group of one rank decides on
         the calling thread: its own vote is the whole group's, and its rank is bound to this
-        process, so no other caller can vote for it."""
+        process, so no other caller can vote for it. In a larger group this rank always
+        asks for the next round to be handed out (``_server_next.py``)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"group rank {rank} is not in replica group {self.replica_id} of {self.world_size}")
         if self.world_size == 1 and self._rank_keys.get(0) == self._local_key and not self._stopped.is_set():
             return vote
-        return self._call_local(self._as_local(rank, self._vote(rank, step, vote)), timeout,
+        return self._call_local(self._as_local(rank, self._vote(rank, step, vote, True)), timeout,
                                 f"should_commit of group rank {rank} at step {step}")
 
     async def _as_local(self, rank: int, coro: Any) -> Any:

@@ -21,6 +21,7 @@ class LocalManagerClient:
     def __init__(self, server: ManagerServer) -> None:
         self._server = server
         self.addr = server.address()
+        self.taken = 0  # rounds started from a hand-out (for tests and benchmarks)
 
     def _quorum(
         self,
@@ -52,13 +53,22 @@ class LocalManagerClient:
         reconfigure_handle: str = "",
     ) -> QuorumResult | None:
         """The round answered from the group's lease on this thread, or None when it must
-        go through :meth:`_quorum` (see
-        :meth:`~rallypoint.manager.server.ManagerServer.leased_local_quorum`)."""
+        go through :meth:`_quorum`: a one-rank group's lease (see
+        :meth:`~rallypoint.manager.server.ManagerServer.leased_local_quorum`), or in a
+        larger group the round handed out with the last vote
+        (:meth:`~rallypoint.manager.server.ManagerServer.issued_local_quorum`), which keeps
+        its ``step_stats`` for the report at its decision."""
         req = quorum_request(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, init_sync,
                              reconfigure_handle)
-        return self._server.leased_local_quorum(req, step_stats)
+        if self._server.world_size == 1:
+            return self._server.leased_local_quorum(req, step_stats)
+        result = self._server.issued_local_quorum(req, step_stats)
+        if result is not None:
+            self.taken += 1
+        return result
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: float | timedelta) -> bool:
+        """``ManagerClient.should_commit``, in process."""
         return self._server.local_should_commit(group_rank, step, should_commit, seconds(timeout))
 
     def close(self) -> None:

@@ -113,14 +113,17 @@ class CommitVotes:
     """The group's should_commit rounds (used on the server's event loop only).
 
     ``superseded(old, new)`` builds the exception given to the waiters of an older step
-    that can never be decided once step ``new`` is."""
+    that can never be decided once step ``new`` is; ``on_decided(step, decision)`` runs
+    once per decision, before any voter hears it (the next round's hand-out)."""
 
-    def __init__(self, world_size: int, label: str, superseded: Callable[[int, int], Exception]) -> None:
+    def __init__(self, world_size: int, label: str, superseded: Callable[[int, int], Exception],
+                 on_decided: Callable[[int, bool], None] | None = None) -> None:
         self.world_size = world_size
         self.label = label
         self.rounds: dict[int, CommitRound] = {}
         self.decided: dict[int, bool] = {}
         self._superseded = superseded
+        self._on_decided = on_decided  # called once per decision, before any voter hears it
 
     def forget_decisions(self) -> None:
         """A new quorum round is a new attempt: a remembered decision (a failed step being
@@ -156,6 +159,8 @@ class CommitVotes:
         while len(self.decided) > DECIDED_KEEP:
             del self.decided[min(self.decided)]
         log.info("[%s] should_commit for step %d: %s (votes %s)", self.label, step, decision, dict(sorted(rnd.votes.items())))
+        if self._on_decided is not None:
+            self._on_decided(step, decision)
         rnd.decision.set_result(decision)
         # Older undecided rounds can never be used now: release their waiters.
         for old in [s for s in self.rounds if s < step]:

@@ -27,51 +27,12 @@ from rallypoint._net.rpc import channel_options, seconds, translate_rpc_error
 from rallypoint._net.tls import TlsConfig, tls_config
 from rallypoint._net.tls import channel as tls_channel
 from rallypoint.manager.recovery import QuorumResult
+from rallypoint.manager._next_round import NextRound
+from rallypoint.manager._result_pb import result_from_pb, result_to_pb
 from rallypoint.manager._votes import RANK_KEY_HEADER, new_rank_key
 from rallypoint.manager.rules import STEP_STATS_HEADER, encode_step_stats
 
 log = logging.getLogger("rallypoint.manager.client")
-
-
-def result_from_pb(resp: pb.ManagerQuorumResponse) -> QuorumResult:
-    return QuorumResult(
-        quorum_id=resp.quorum_id,
-        replica_rank=resp.replica_rank,
-        replica_world_size=resp.replica_world_size,
-        recover_src_manager_address=resp.recover_src_manager_address,
-        recover_src_replica_rank=resp.recover_src_replica_rank if resp.HasField("recover_src_replica_rank") else None,
-        recover_dst_replica_ranks=list(resp.recover_dst_replica_ranks),
-        store_address=resp.store_address,
-        max_step=resp.max_step,
-        max_replica_rank=resp.max_replica_rank if resp.HasField("max_replica_rank") else None,
-        max_world_size=resp.max_world_size,
-        heal=resp.heal,
-        commit_failures=resp.commit_failures,
-        replica_ids=list(resp.replica_ids),
-        reconfigure_handles=list(resp.reconfigure_handles),
-    )
-
-
-def result_to_pb(r: QuorumResult) -> pb.ManagerQuorumResponse:
-    msg = pb.ManagerQuorumResponse(
-        quorum_id=r.quorum_id,
-        recover_src_manager_address=r.recover_src_manager_address,
-        recover_dst_replica_ranks=r.recover_dst_replica_ranks,
-        store_address=r.store_address,
-        max_step=r.max_step,
-        max_world_size=r.max_world_size,
-        replica_rank=r.replica_rank,
-        replica_world_size=r.replica_world_size,
-        heal=r.heal,
-        commit_failures=r.commit_failures,
-        replica_ids=r.replica_ids,
-        reconfigure_handles=r.reconfigure_handles,
-    )
-    if r.recover_src_replica_rank is not None:
-        msg.recover_src_replica_rank = r.recover_src_replica_rank
-    if r.max_replica_rank is not None:
-        msg.max_replica_rank = r.max_replica_rank
-    return msg
 
 
 #: The trailing metadata key of a ManagerServer's striping addition (rallypoint.proto's
@@ -188,6 +149,8 @@ class ManagerClient:
             request_serializer=pb.ShouldCommitRequest.SerializeToString,
             response_deserializer=pb.ShouldCommitResponse.FromString,
         )
+        # The round handed out with the last vote, on a lease (manager/_next_round.py).
+        self._next = NextRound()
         self._kill_call = self._channel.unary_unary(
             "/torchft.ManagerService/Kill",
             request_serializer=pb.KillRequest.SerializeToString,
@@ -229,7 +192,32 @@ class ManagerClient:
         except grpc.RpcError as e:
             raise self._translate(e, f"quorum for group rank {group_rank} at step {step}", secs) from None
         trailing = call.trailing_metadata()
-        return with_inject(with_stripe(result_from_pb(resp), trailing), trailing)
+        result = with_inject(with_stripe(result_from_pb(resp), trailing), trailing)
+        self._next.asked(group_rank, checkpoint_metadata, result)
+        return result
+
+    def leased_quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        commit_failures: int = 0,
+        init_sync: bool = True,
+        step_stats: dict[str, Any] | None = None,
+        reconfigure_handle: str = "",
+    ) -> QuorumResult | None:
+        """This rank's round at ``step`` without a call, when a rallypoint server handed it
+        out with the answer to the last vote (the group is on a lease and the round is the
+        next one; see ``manager/_next_round.py``), else None: then ask with :meth:`_quorum`.
+        ``step_stats`` then go with this round's vote. ``init_sync`` and
+        ``reconfigure_handle`` are the ask's; a handed-out round keeps the lease's."""
+        return self._next.take(group_rank, step, checkpoint_metadata, shrink_only, commit_failures, step_stats)
+
+    @property
+    def taken(self) -> int:
+        """Rounds this client started from a hand-out, without a call (tests and benchmarks)."""
+        return self._next.taken
 
     def _checkpoint_metadata(self, rank: int, timeout: float | timedelta) -> str:
         """The checkpoint metadata group rank ``rank`` sent with its last quorum request."""
@@ -243,13 +231,19 @@ class ManagerClient:
             raise self._translate(e, f"checkpoint metadata of rank {rank}", secs) from None
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: float | timedelta) -> bool:
-        """Vote for ``step``; True only if every rank of the group voted True for it."""
+        """Vote for ``step``; True only if every rank of the group voted True for it. On a
+        lease, a rallypoint server hands out the next round with a passed vote (see
+        :meth:`leased_quorum`); torchft's server ignores the ask."""
         secs = seconds(timeout)
         req = pb.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit)
         try:
-            return self._commit_call(req, timeout=secs, metadata=self._rank_metadata).should_commit
+            resp, call = self._commit_call.with_call(req, timeout=secs,
+                                                     metadata=[*self._rank_metadata, *self._next.vote_metadata()])
         except grpc.RpcError as e:
+            self._next.voted(group_rank, step, False, None)
             raise self._translate(e, f"should_commit of group rank {group_rank} at step {step}", secs) from None
+        self._next.voted(group_rank, step, resp.should_commit, call.trailing_metadata())
+        return resp.should_commit
 
     def kill(self, msg: str, timeout: float | timedelta = 10.0) -> None:
         """Ask the manager server to end its replica's process (with a logged reason)."""

@@ -48,7 +48,7 @@ from rallypoint._proto import torchft_pb2 as pb
 from rallypoint._net.auth import TokenInterceptor, job_token
 from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net.handles import group_handles, rank_handle_refusal
-from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES, MAX_REASON_BYTES, MAX_REPLICA_ID_BYTES, utf8_len
+from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES, MAX_REASON_BYTES, utf8_len
 from rallypoint._net.peercap import PeerCap
 from rallypoint._net.rpc import seconds, server_options, unary_handler
 from rallypoint._net.tls import TlsConfig, add_port, check_server, tls_config
@@ -60,10 +60,11 @@ from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
 from rallypoint.manager import rules
 from rallypoint._net.inject import INJECT_KEY, parse_injections
 from rallypoint._net.lease import parse_lease
-from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint.manager._lease import LeaseHolder, StatsBatch
 from rallypoint.manager._inprocess import InProcessCalls, _Failure
 from rallypoint.manager._server_lease import LeasedRounds
+from rallypoint.manager._server_next import NextRounds
+from rallypoint.manager._next_round import NEXT_ROUND_HEADER, NEXT_ROUND_KEY
 from rallypoint.manager._votes import (RANK_KEY_HEADER, CommitVotes, claim_rank, confirm_rank,
                                        new_rank_key)
 
@@ -76,7 +77,7 @@ log = logging.getLogger("rallypoint.manager")
 DEFAULT_QUORUM_TIMEOUT_S = 60.0
 
 
-class ManagerServer(InProcessCalls, LeasedRounds):
+class ManagerServer(InProcessCalls, LeasedRounds, NextRounds):
     """torchft's ``ManagerServer(replica_id, lighthouse_addr, hostname, bind, store_addr,
     world_size, heartbeat_interval, connect_timeout, quorum_retries)`` plus ours.
 
@@ -141,7 +142,12 @@ class ManagerServer(InProcessCalls, LeasedRounds):
 
         # Loop-thread state.
         self._rounds: dict[int, _QuorumRound] = {}
-        self._votes = CommitVotes(world_size, replica_id, self._superseded)
+        self._votes = CommitVotes(world_size, replica_id, self._superseded, on_decided=self._decided)
+        # The next round handed out with a passed vote, on a lease (manager/_next_round.py);
+        # RALLYPOINT_NEXT_ROUND=0 turns it off (every rank asks for every round, as before).
+        self._hand_out = os.environ.get("RALLYPOINT_NEXT_ROUND", "1") != "0"
+        self._next_asks: dict[int, dict[int, bool]] = {}
+        self._issued_stats: dict[int, dict[str, Any] | None] = {}
         self._metadata: dict[int, str] = {}
         # Which process speaks for each group rank (see manager/_votes.py); rank 0's own
         # process calls in-process with the server's key.
@@ -322,6 +328,26 @@ class ManagerServer(InProcessCalls, LeasedRounds):
             log.warning("[%s] refused quorum for group rank %d: %s", self.replica_id, rank, why)
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, f"replica {self.replica_id}: {why}")
         self._metadata[rank] = req.checkpoint_metadata
+        issued = self._issued_quorum(req, stats)
+        quorum, inject = (issued, b"") if issued is not None else await self._gathered(req, rnd, remaining, stats)
+        why = rules.group_size_error(quorum.quorum_id, {m.replica_id: m.world_size for m in quorum.members})
+        if why is not None:
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, why)
+        try:
+            result = compute_quorum_result(quorum, self.replica_id, rank, req.init_sync)
+        except ValueError as e:
+            raise _Failure(grpc.StatusCode.NOT_FOUND, str(e)) from None
+        if result.heal:
+            log.info("[%s] group rank %d heals: step %d < max_step %d, source replica rank %s",
+                     self.replica_id, rank, req.step, result.max_step, result.recover_src_replica_rank)
+        return dataclasses.replace(result, inject=inject) if inject else result
+
+    async def _gathered(self, req: pb.ManagerQuorumRequest, rnd: _QuorumRound | None, remaining: float | None,
+                        stats: dict[str, Any] | None) -> tuple[Quorum, bytes]:
+        """The quorum of the group's round at ``req.step`` once every rank asked (from the
+        lease, or the lighthouse's answer), and the injections that came with it; cancelling
+        the caller withdraws its rank."""
+        rank = req.group_rank
         now = time.monotonic()
         if rnd is None:
             others = {s: sorted(r.requests) for s, r in self._rounds.items()}
@@ -356,17 +382,7 @@ class ManagerServer(InProcessCalls, LeasedRounds):
                 if not rnd.requests and self._rounds.get(rnd.step) is rnd:
                     del self._rounds[rnd.step]
             raise
-        why = rules.group_size_error(quorum.quorum_id, {m.replica_id: m.world_size for m in quorum.members})
-        if why is not None:
-            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, why)
-        try:
-            result = compute_quorum_result(quorum, self.replica_id, rank, req.init_sync)
-        except ValueError as e:
-            raise _Failure(grpc.StatusCode.NOT_FOUND, str(e)) from None
-        if result.heal:
-            log.info("[%s] group rank %d heals: step %d < max_step %d, source replica rank %s",
-                     self.replica_id, rank, req.step, result.max_step, result.recover_src_replica_rank)
-        return dataclasses.replace(result, inject=rnd.inject) if rnd.inject else result
+        return quorum, rnd.inject
 
     def _injections(self, rnd: _QuorumRound, trailing: Any) -> None:
         """Fault injections the lighthouse handed this group with its answer: checked, then
@@ -447,15 +463,24 @@ class ManagerServer(InProcessCalls, LeasedRounds):
     async def _should_commit(self, req: pb.ShouldCommitRequest, context: grpc.aio.ServicerContext) -> pb.ShouldCommitResponse:
         if not 0 <= req.group_rank < self.world_size:
             await self._bad_rank(context, req.group_rank, "should_commit")
+        asks_next = _header(context, NEXT_ROUND_HEADER) == "1"
+        stats = await self._step_stats(context, req.group_rank) if asks_next else None
         await self._claim(context, req.group_rank, "should_commit")
         try:
-            decision = await self._vote(req.group_rank, req.step, req.should_commit)
+            decision = await self._vote(req.group_rank, req.step, req.should_commit, asks_next, stats)
         except _Failure as f:
             await context.abort(f.code, f.message)
+        handed = self._next_for(req.group_rank, req.step, decision, asks_next)
+        if handed is not None:
+            context.set_trailing_metadata(((NEXT_ROUND_KEY, handed),))
         return pb.ShouldCommitResponse(should_commit=decision)
 
-    async def _vote(self, rank: int, step: int, vote: bool) -> bool:
-        """One rank's commit vote for ``step``; the group's decision (raises :class:`_Failure`)."""
+    async def _vote(self, rank: int, step: int, vote: bool, asks_next: bool = False,
+                    stats: dict[str, Any] | None = None) -> bool:
+        """One rank's commit vote for ``step``; the group's decision (raises :class:`_Failure`).
+        ``asks_next``: the rank takes its next round from the answer (``_server_next.py``);
+        ``stats``: the step stats of a handed-out round, which ride its vote."""
+        self._note_vote(rank, step, asks_next, stats)
         return await self._votes.vote(rank, step, vote)
 
     @property
@@ -500,6 +525,7 @@ class ManagerServer(InProcessCalls, LeasedRounds):
                 rnd.result.set_exception(_Failure(code, message))
         self._votes.fail_all(lambda: _Failure(code, message))
         self._rounds.clear()
+        self._issued = None
 
     # ------------------------------------------------------------------ API
     def address(self) -> str:

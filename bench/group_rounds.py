@@ -1,0 +1,251 @@
+"""Per-step cost of replica groups of two ranks: the next round handed out with the commit
+vote, against every rank asking for every round, torchft 0.2.0 and plain torch.distributed,
+measured in one run.
+
+Two replica groups of two ranks each (four worker processes, gloo on CPU over loopback,
+free ports only; each group's TCPStore hosted here, as torchrun's agent would). Every
+variant runs the same loop on a tiny model (``nn.Linear(4, 2)``: the step is almost only the
+framework's fixed cost), in a fresh set of processes:
+
+- ``plain``: the managed variants' communication without a manager: group rank r of
+  each group in one gloo group of two (``init_process_group``); per step zero_grad,
+  forward, backward, ``dist.all_reduce`` of every grad, divide by 2, step. The floor.
+- ``ours``: ``rallypoint.manager.Manager`` (``world_size=2`` per group, leases on); on a
+  lease each rank starts its next round from the answer to its vote (one call to group
+  rank 0 per step on rank 1, none on rank 0).
+- ``ours_ask``: the same with ``RALLYPOINT_NEXT_ROUND=0``: every rank asks group rank 0
+  for every round (two calls per step on rank 1), as before the hand-out.
+- ``torchft``: ``torchft.Manager`` + ``torchft.ProcessGroupGloo`` (``world_size=2`` per
+  group) against torchft's Rust lighthouse; the same loop.
+
+The variants run in alternating order over ``--rounds`` rounds. Per variant: the median and
+p90 ms/step (mean of the four ranks per step), and on group 0's rank 1 the median of
+``should_commit()`` (``start_quorum()`` returns at once with the async quorum every variant
+uses; its wait shows in the first allreduce). Fixed cost = median minus plain's. Ratios:
+``fixed_ours_vs_ours_ask``, ``fixed_ours_vs_torchft`` (goal <= 1/3) and the whole steps'. A table and one JSON line ``{"bench": "group_rounds", ...}``.
+
+    .venv/bin/python bench/group_rounds.py            # ~1-2 minutes on 2 cores
+    .venv/bin/python bench/group_rounds.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _util  # noqa: E402
+from _util import Child, close_all, fmt_ratio, median, percentile, ratio, table  # noqa: E402
+
+VARIANTS = ("plain", "ours", "ours_ask", "torchft")
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------- worker side
+def _worker(plan: dict[str, Any]) -> None:
+    import logging
+
+    _util.exit_with_parent()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    variant, group, rank = plan["variant"], plan["group"], plan["rank"]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2 * group + rank))
+    timeout = timedelta(seconds=plan["op_timeout_s"])
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        os.environ.pop(k, None)
+    manager: Any = None
+    if variant == "plain":
+        store = dist.TCPStore("127.0.0.1", plan["store_ports"][0], is_master=False, wait_for_workers=False,
+                              timeout=timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"{plan['run_id']}/plain/{rank}", store),
+                                rank=group, world_size=2, timeout=timeout)
+    else:
+        common = dict(load_state_dict=model.load_state_dict, state_dict=model.state_dict, min_replica_size=2,
+                      use_async_quorum=True, rank=rank, world_size=2, lighthouse_addr=plan["lighthouse"],
+                      replica_id=f"group{group}-{plan['run_id']}", hostname="127.0.0.1", timeout=timeout,
+                      quorum_timeout=timeout, connect_timeout=timeout, store_addr="127.0.0.1",
+                      store_port=plan["store_ports"][group])
+        if variant == "torchft":
+            from torchft.manager import Manager as TFManager
+            from torchft.process_group import ProcessGroupGloo as TFGloo
+
+            manager = TFManager(pg=TFGloo(timeout=timeout), **common)
+        else:
+            from rallypoint.manager.manager import Manager
+            from rallypoint.process_groups import ProcessGroupGloo
+
+            manager = Manager(pg=ProcessGroupGloo(timeout=timeout), **common)
+    pc = time.perf_counter
+
+    def step() -> list[float]:
+        t0 = pc()
+        if manager is not None:
+            manager.start_quorum()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        grads = [p.grad for p in model.parameters()]
+        for g in grads:
+            if manager is None:
+                dist.all_reduce(g)
+                g.div_(2)
+            else:
+                manager.allreduce(g).wait()
+        t2 = pc()
+        ok = manager.should_commit() if manager is not None else True
+        t3 = pc()
+        if ok:
+            opt.step()
+        return [pc() - t0, t3 - t2, float(ok)]
+
+    for _ in range(plan["warmup"]):
+        step()
+    samples = [step() for _ in range(plan["steps"])]
+    client = getattr(manager, "_client", None)
+    taken = getattr(client, "taken", None)
+    sys.stdout.write(json.dumps({"result": {"group": group, "rank": rank, "samples": samples,
+                                            "taken": taken}}) + "\n")
+    sys.stdout.flush()
+    sys.stdin.readline()  # the parent's go: no peer is left mid-step
+    if manager is not None:
+        manager.shutdown(wait=False)
+    else:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------- parent side
+def _lighthouse(variant: str) -> Any:
+    if variant in ("ours", "ours_ask"):
+        from rallypoint.lighthouse.server import LighthouseServer
+
+        return LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=10_000,
+                                heartbeat_timeout_ms=5_000)
+    if variant == "torchft":
+        return _util.load_torchft_native().LighthouseServer(bind="127.0.0.1:0", min_replicas=2,
+                                                             join_timeout_ms=10_000, heartbeat_timeout_ms=5_000)
+    return None
+
+
+def run_variant(variant: str, plan: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+    """One run of ``variant``: four fresh worker processes; their results."""
+    import torch.distributed as dist
+
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+              for _ in range(2)]
+    lh = _lighthouse(variant)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("RUST_LOG", "warn")
+    env["RALLYPOINT_NEXT_ROUND"] = "0" if variant == "ours_ask" else "1"
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHFT_LIGHTHOUSE", "RALLYPOINT_LIGHTHOUSE"):
+        env.pop(k, None)
+    children: list[Child] = []
+    try:
+        addr = "" if lh is None else f"http://127.0.0.1:{int(lh.address().rsplit(':', 1)[1])}"
+        for group in range(2):
+            for rank in range(2):
+                wplan = dict(plan, variant=variant, group=group, rank=rank, lighthouse=addr,
+                             store_ports=[s.port for s in stores])
+                children.append(Child([sys.executable, __file__, "--worker", json.dumps(wplan)],
+                                      name=f"group-{variant}-{group}.{rank}", env=env, cwd=str(REPO)))
+        results = [_util.recv_result(c, timeout_s) for c in children]
+        for c in children:
+            c.send({"cmd": "exit"})
+        return results
+    finally:
+        close_all(children, grace=5.0)
+        if lh is not None:
+            lh.shutdown()
+
+
+def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """A step's time is the mean of the four ranks' times for it; the phases are group 0's rank 1's."""
+    total: list[float] = []
+    commit: list[float] = []
+    commits = steps = 0
+    taken: list[int] = []
+    for results in runs:
+        for row in zip(*(r["samples"] for r in results)):
+            total.append(sum(s[0] for s in row) / len(row) * 1e3)
+        r1 = next(r for r in results if r["group"] == 0 and r["rank"] == 1)
+        commit += [s[1] * 1e3 for s in r1["samples"]]
+        commits += sum(int(s[2]) for r in results for s in r["samples"])
+        steps += sum(len(r["samples"]) for r in results)
+        if r1.get("taken") is not None:
+            taken.append(r1["taken"])
+    return {"median_ms": median(total), "p90_ms": percentile(total, 90), "steps": len(total),
+            "rank1_commit_ms": median(commit),
+            "commit_fraction": commits / max(1, steps), "rank1_rounds_handed_out": sum(taken) if taken else None}
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        _worker(json.loads(sys.argv[2]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps and one round")
+    ap.add_argument("--out", help="also write the JSON line to this file")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    ap.add_argument("--rounds", type=int, help="variant sequences run (alternating order); default 2, quick 1")
+    ap.add_argument("--steps", type=int, help="timed steps per run (default 200, quick 40)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds a variant's workers may take")
+    args = ap.parse_args()
+    os.environ.setdefault("RUST_LOG", "warn")
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}")
+    _util.clear_job_env(os.environ)
+    rounds = args.rounds or (1 if args.quick else 2)
+    plan = {"warmup": 10 if args.quick else 30, "steps": args.steps or (40 if args.quick else 200),
+            "op_timeout_s": 30}
+    load0, t0 = os.getloadavg()[0], time.monotonic()
+    raw: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
+    for r in range(rounds):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            raw[v].append(run_variant(v, dict(plan, run_id=f"r{r}"), args.timeout))
+    res = {v: summarize(runs) for v, runs in raw.items()}
+    plain = res.get("plain", {}).get("median_ms")
+    for v in ("ours", "ours_ask", "torchft"):
+        if v in res and plain is not None:
+            res[v]["fixed_ms"] = res[v]["median_ms"] - plain
+    ratios = {
+        "fixed_ours_vs_ours_ask": ratio(res.get("ours", {}).get("fixed_ms"), res.get("ours_ask", {}).get("fixed_ms")),
+        "fixed_ours_vs_torchft": ratio(res.get("ours", {}).get("fixed_ms"), res.get("torchft", {}).get("fixed_ms")),
+        "step_ours_vs_ours_ask": ratio(res.get("ours", {}).get("median_ms"), res.get("ours_ask", {}).get("median_ms")),
+        "step_ours_vs_torchft": ratio(res.get("ours", {}).get("median_ms"), res.get("torchft", {}).get("median_ms")),
+    }
+    print(f"group rounds: 2 replica groups x 2 ranks, tiny model, gloo/CPU loopback, torchft "
+          f"{_util.torchft_version()}, {rounds} round(s) of {plan['steps']} timed steps; "
+          f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}; {time.monotonic() - t0:.0f}s")
+    rows = [[v, _f(d["median_ms"]), _f(d["p90_ms"]), _f(d.get("fixed_ms")), _f(d["rank1_commit_ms"]),
+             f"{d['commit_fraction']:.2f}",
+             "-" if d["rank1_rounds_handed_out"] is None else str(d["rank1_rounds_handed_out"])]
+            for v, d in res.items()]
+    print(table(["variant", "median ms", "p90 ms", "fixed ms", "rank 1 should_commit",
+                 "committed", "rank 1 rounds handed out"], rows))
+    print(table(["ratio", "value"], [[k, fmt_ratio(v)] for k, v in ratios.items()]))
+    _util.emit_line(json.dumps({"bench": "group_rounds", "quick": args.quick, "rounds": rounds, "results": res,
+                                "ratios": ratios}), args.out)
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+if __name__ == "__main__":
+    main()
