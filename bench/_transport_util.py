@@ -11,12 +11,14 @@ closes. One thread per connection, so ``socket4``'s four connections run in para
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -280,6 +282,35 @@ def case_ratios(rs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def checksum_seconds(nbytes: int) -> float:
+    """CPU seconds the wire's CRC-32 (``rallypoint.transports._crc``: ISA-L where installed)
+    takes over ``nbytes`` on one core of this machine, measured here on 64 MiB (median of 5):
+    what each side of a heal spends summing every block it sends or receives."""
+    from rallypoint.transports._crc import crc32
+
+    buf = memoryview(bytearray(os.urandom(1 << 20)) * 64)
+    crc32(buf)  # fault the pages in
+    took = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        crc32(buf)
+        took.append(time.perf_counter() - t0)
+    return statistics.median(took) * nbytes / len(buf)
+
+
+def into_profile(rs: dict[str, Any], best: str | None, nbytes: int) -> dict[str, Any] | None:
+    """Where ``rp_into``'s time over the best in-place socket goes: its extra wall time, its
+    extra CPU (receiver + sender, per fetch), and the checksums' CPU (CRC-32 of every byte on
+    both sides, :func:`checksum_seconds`). On a machine whose two cores the sender and the
+    receiver share, extra CPU shows up as wall time."""
+    if best is None or "rp_into" not in rs or best not in rs:
+        return None
+    into, sock = rs["rp_into"], rs[best]
+    return {"socket": best, "extra_s": into["median_s"] - sock["median_s"],
+            "extra_cpu_s": into["recv_cpu_s"] + into["send_cpu_s"] - sock["recv_cpu_s"] - sock["send_cpu_s"],
+            "checksum_cpu_s_both_sides": 2 * checksum_seconds(nbytes)}
+
+
 def case_goals(rt: dict[str, Any]) -> dict[str, bool]:
     """The issue's goals for one case: HTTP receive >= 1.3x torchft(0) and >= 80% of the socket ceiling."""
     checks = {"rallypoint_vs_torchft0": GOAL_VS_TORCHFT, "inplace_vs_torchft0": GOAL_VS_TORCHFT,
@@ -298,6 +329,9 @@ def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, lo
     for case, rs in results.items():
         summary["ratios"][case] = case_ratios(rs)
         summary["goals"][case] = case_goals(summary["ratios"][case])
+        prof = into_profile(rs, summary["ratios"][case].get("best_inplace_socket"), state_bytes(case))
+        if prof is not None:
+            summary.setdefault("into_profile", {})[case] = prof
     if not json_only:
         print(f"load average {load[0]:.2f} -> {load[1]:.2f}")
         cw = 18 if any(c in TLS_CONTENDERS for rs in results.values() for c in rs) else 15  # contender column
@@ -342,6 +376,11 @@ def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, lo
                 print(f"{case:<10}goals: HTTP receive >= {GOAL_VS_TORCHFT}x torchft(0) and >= {GOAL_OF_SOCKET:.0%} of "
                       "the socket ceiling: " + ", ".join(f"{lab} {rt[k]:{f}} {'met' if goals[k] else 'NOT met'}"
                                                          for k, lab, f in shown))
+            prof = summary.get("into_profile", {}).get(case)
+            if prof is not None:
+                print(f"{case:<10}rp_into against {prof['socket']}: {prof['extra_s']:+.3f} s per fetch, "
+                      f"{prof['extra_cpu_s']:+.3f} s of CPU (both sides); the CRC-32 of every byte on both sides "
+                      f"alone takes {prof['checksum_cpu_s_both_sides']:.3f} s of CPU here")
             tls_parts = [
                 _fmt(rt, "http_tls_vs_http", ".2f", "http_tls / rallypoint"),
                 _fmt(rt, "http_tls_inplace_vs_inplace", ".2f", "http_tls_inplace / rp_inplace"),

@@ -304,10 +304,11 @@ def emit_line(line: str, out: str | None) -> None:
         Path(out).write_text(line + "\n")
 
 
-def fmt_ms(v: float | None) -> str:
+def fmt_ms(v: float | None, digits: int = 1) -> str:
+    """Milliseconds for a table cell (``digits`` after the point; seconds from 1000 ms on)."""
     if v is None or v != v:
         return "-"
-    return f"{v:.1f} ms" if v < 1000 else f"{v / 1000:.2f} s"
+    return f"{v:.{digits}f} ms" if v < 1000 else f"{v / 1000:.2f} s"
 
 
 def fmt_num(v: float | None, unit: str = "") -> str:

@@ -21,7 +21,10 @@ framework's fixed cost), in a fresh set of processes:
 The variants run in alternating order over ``--rounds`` rounds. Per variant: the median and
 p90 ms/step (mean of the four ranks per step), and on group 0's rank 1 the median of
 ``should_commit()`` (``start_quorum()`` returns at once with the async quorum every variant
-uses; its wait shows in the first allreduce). Fixed cost = median minus plain's. Ratios:
+uses; its wait shows in the first allreduce), and every variant's phases per step (medians
+over the four ranks). ``--profile`` also times the parts of each commit vote of ours inside
+group rank 0's server (how far apart the ranks voted, each call's way to the vote, the
+decision, the way back). Fixed cost = median minus plain's. Ratios:
 ``fixed_ours_vs_ours_ask``, ``fixed_ours_vs_torchft`` (goal <= 1/3) and the whole steps'. A table and one JSON line ``{"bench": "group_rounds", ...}``.
 
     .venv/bin/python bench/group_rounds.py            # ~1-2 minutes on 2 cores
@@ -42,7 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _util  # noqa: E402
-from _util import Child, close_all, fmt_ratio, median, percentile, ratio, table  # noqa: E402
+from _util import Child, close_all, fmt_ms, fmt_ratio, median, percentile, ratio, table  # noqa: E402
 
 VARIANTS = ("plain", "ours", "ours_ask", "torchft")
 REPO = Path(__file__).resolve().parent.parent
@@ -89,15 +92,17 @@ def _worker(plan: dict[str, Any]) -> None:
             from rallypoint.process_groups import ProcessGroupGloo
 
             manager = Manager(pg=ProcessGroupGloo(timeout=timeout), **common)
+    votes = _watch_votes(manager, rank) if plan.get("profile") and variant in ("ours", "ours_ask") else None
     pc = time.perf_counter
 
     def step() -> list[float]:
         t0 = pc()
         if manager is not None:
             manager.start_quorum()
+        t1 = pc()
         opt.zero_grad()
         model(x).pow(2).mean().backward()
-        grads = [p.grad for p in model.parameters()]
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
         for g in grads:
             if manager is None:
                 dist.all_reduce(g)
@@ -109,7 +114,9 @@ def _worker(plan: dict[str, Any]) -> None:
         t3 = pc()
         if ok:
             opt.step()
-        return [pc() - t0, t3 - t2, float(ok)]
+        t4 = pc()
+        # total, should_commit, committed, start_quorum, compute + allreduces, optimizer step
+        return [t4 - t0, t3 - t2, float(ok), t1 - t0, t2 - t1, t4 - t3]
 
     for _ in range(plan["warmup"]):
         step()
@@ -117,7 +124,8 @@ def _worker(plan: dict[str, Any]) -> None:
     client = getattr(manager, "_client", None)
     taken = getattr(client, "taken", None)
     sys.stdout.write(json.dumps({"result": {"group": group, "rank": rank, "samples": samples,
-                                            "taken": taken}}) + "\n")
+                                            "taken": taken, "votes": votes[-4 * plan["steps"]:] if votes else None}})
+                     + "\n")
     sys.stdout.flush()
     sys.stdin.readline()  # the parent's go: no peer is left mid-step
     if manager is not None:
@@ -125,6 +133,67 @@ def _worker(plan: dict[str, Any]) -> None:
     else:
         dist.destroy_process_group()
     os._exit(0)
+
+
+def _watch_votes(manager: Any, rank: int) -> list[tuple[str, int, int, float, float]]:
+    """``--profile``: timestamps (monotonic, the same clock in every process here) of this
+    rank's commit vote call, and on group rank 0 of each rank's vote inside its
+    ManagerServer (from the vote's arrival to its decision). A bench's instrumentation of
+    the Manager's internals, not an API."""
+    events: list[tuple[str, int, int, float, float]] = []
+    client = manager._client
+    real_call = client.should_commit
+
+    def call(group_rank: int, step: int, vote: bool, timeout: Any, *a: Any, **kw: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            return real_call(group_rank, step, vote, timeout, *a, **kw)
+        finally:
+            events.append(("call", rank, step, t0, time.monotonic()))
+
+    client.should_commit = call
+    server = manager._server
+    if server is not None:
+        real_vote = server._vote
+
+        async def vote(group_rank: int, step: int, v: bool, asks_next: bool = False, stats: Any = None) -> bool:
+            t0 = time.monotonic()
+            try:
+                return await real_vote(group_rank, step, v, asks_next, stats)
+            finally:
+                events.append(("server", group_rank, step, t0, time.monotonic()))
+
+        server._vote = vote
+    return events
+
+
+def vote_profile(runs: list[list[dict[str, Any]]]) -> dict[str, float] | None:
+    """Medians (ms) over every group's voted steps: how far apart the group's two ranks
+    called, how long rank 1's call took to reach the vote in group rank 0's server and rank
+    0's in-process call likewise, from the later arrival to the decision, and from the
+    decision back to each rank's caller."""
+    parts: dict[str, list[float]] = {k: [] for k in ("ranks_apart", "rank1_to_server", "rank0_to_server",
+                                                      "decision", "back_to_rank0", "back_to_rank1")}
+    for results in runs:
+        for group in (0, 1):
+            by_step: dict[int, dict[tuple[str, int], tuple[float, float]]] = {}
+            for r in results:
+                if r["group"] == group:
+                    for kind, rk, step, t0, t1 in r.get("votes") or ():
+                        by_step.setdefault(step, {})[(kind, rk)] = (t0, t1)
+            for d in by_step.values():
+                need = [("call", 0), ("call", 1), ("server", 0), ("server", 1)]
+                if not all(k in d for k in need):
+                    continue
+                c0, c1, s0, s1 = (d[k] for k in need)
+                decided = max(s0[1], s1[1])
+                for k, v in (("ranks_apart", abs(c0[0] - c1[0])), ("rank1_to_server", s1[0] - c1[0]),
+                             ("rank0_to_server", s0[0] - c0[0]), ("decision", decided - max(s0[0], s1[0])),
+                             ("back_to_rank0", c0[1] - decided), ("back_to_rank1", c1[1] - decided)):
+                    parts[k].append(v * 1e3)
+    if not parts["decision"]:
+        return None
+    return {k: median(v) for k, v in parts.items()} | {"steps": float(len(parts["decision"]))}
 
 
 # ---------------------------------------------------------------------- parent side
@@ -187,8 +256,11 @@ def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
         steps += sum(len(r["samples"]) for r in results)
         if r1.get("taken") is not None:
             taken.append(r1["taken"])
+    phases = {name: median([s[i] * 1e3 for results in runs for r in results for s in r["samples"]])
+              for i, name in ((3, "start_quorum_ms"), (4, "compute_allreduce_ms"), (1, "should_commit_ms"),
+                              (5, "optimizer_ms"))}
     return {"median_ms": median(total), "p90_ms": percentile(total, 90), "steps": len(total),
-            "rank1_commit_ms": median(commit),
+            "rank1_commit_ms": median(commit), "phases_ms": phases, "votes_ms": vote_profile(runs),
             "commit_fraction": commits / max(1, steps), "rank1_rounds_handed_out": sum(taken) if taken else None}
 
 
@@ -203,6 +275,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, help="variant sequences run (alternating order); default 2, quick 1")
     ap.add_argument("--steps", type=int, help="timed steps per run (default 200, quick 40)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a variant's workers may take")
+    ap.add_argument("--profile", action="store_true",
+                    help="also time each commit vote's parts inside group rank 0's server (ours)")
     args = ap.parse_args()
     os.environ.setdefault("RUST_LOG", "warn")
     variants = [v for v in args.variants.split(",") if v]
@@ -212,7 +286,7 @@ def main() -> None:
     _util.clear_job_env(os.environ)
     rounds = args.rounds or (1 if args.quick else 2)
     plan = {"warmup": 10 if args.quick else 30, "steps": args.steps or (40 if args.quick else 200),
-            "op_timeout_s": 30}
+            "op_timeout_s": 30, "profile": args.profile}
     load0, t0 = os.getloadavg()[0], time.monotonic()
     raw: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
     for r in range(rounds):
@@ -232,19 +306,28 @@ def main() -> None:
     print(f"group rounds: 2 replica groups x 2 ranks, tiny model, gloo/CPU loopback, torchft "
           f"{_util.torchft_version()}, {rounds} round(s) of {plan['steps']} timed steps; "
           f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}; {time.monotonic() - t0:.0f}s")
+    def _f(v: float | None) -> str:
+        return fmt_ms(v, 3)
+
     rows = [[v, _f(d["median_ms"]), _f(d["p90_ms"]), _f(d.get("fixed_ms")), _f(d["rank1_commit_ms"]),
              f"{d['commit_fraction']:.2f}",
              "-" if d["rank1_rounds_handed_out"] is None else str(d["rank1_rounds_handed_out"])]
             for v, d in res.items()]
-    print(table(["variant", "median ms", "p90 ms", "fixed ms", "rank 1 should_commit",
+    print(table(["variant", "median", "p90", "fixed", "rank 1 should_commit",
                  "committed", "rank 1 rounds handed out"], rows))
+    print(table(["variant", "start_quorum", "compute + allreduces", "should_commit", "optimizer step"],
+                [[v, *(_f(d["phases_ms"][k]) for k in ("start_quorum_ms", "compute_allreduce_ms", "should_commit_ms",
+                                                       "optimizer_ms"))] for v, d in res.items()]))
+    for v, d in res.items():
+        if d.get("votes_ms"):
+            vp = d["votes_ms"]
+            print(f"{v}: a commit vote's parts (medians of {vp['steps']:.0f} votes): the group's ranks "
+                  f"{_f(vp['ranks_apart'])} apart; rank 1's call reaches the vote in {_f(vp['rank1_to_server'])}, "
+                  f"rank 0's in {_f(vp['rank0_to_server'])}; the decision {_f(vp['decision'])} after the later "
+                  f"one; back to rank 0 in {_f(vp['back_to_rank0'])}, to rank 1 in {_f(vp['back_to_rank1'])}")
     print(table(["ratio", "value"], [[k, fmt_ratio(v)] for k, v in ratios.items()]))
     _util.emit_line(json.dumps({"bench": "group_rounds", "quick": args.quick, "rounds": rounds, "results": res,
                                 "ratios": ratios}), args.out)
-
-
-def _f(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3f}"
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def _worker(plan: dict[str, Any]) -> None:
 
     from rallypoint.integrations import DistributedDataParallel
     from rallypoint.manager import Manager
-    from rallypoint.manager._sdc import param_hash
+    from rallypoint.manager._sdc import param_hash, start_exchange
     from rallypoint.process_groups import ProcessGroupGloo
 
     torch.set_num_threads(1)
@@ -82,24 +82,52 @@ def _worker(plan: dict[str, Any]) -> None:
     ddp = DistributedDataParallel(m, model)
     guard, averager = m._guard, ddp._averager
     posted = averager._posted
+    # The profile: the guard's own calls timed where they run (the norms on DDP's helper
+    # thread, the exchange's posting behind the last bucket, the check in should_commit),
+    # summed per step of each mode.
+    mode_now = ["off"]
+    spent: dict[str, dict[str, list[float]]] = {mode: {"observe": [], "post": [], "check": []} for mode in MODES}
+    acc: dict[str, float] = {"observe": 0.0, "post": 0.0, "check": 0.0}
+
+    def timed(part: str, fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[part] += time.perf_counter() - t0
+        return call
+
+    guard.observe = timed("observe", guard.observe)
+    guard.post_early = timed("post", guard.post_early)
+    guard.check = timed("check", guard.check)
 
     def set_mode(mode: str) -> None:
+        mode_now[0] = mode
         guard.grad_check = mode != "off"
         guard.check_every = 0 if mode == "off" else plan["check_every"]
         averager._posted = posted if mode == "ride" else None
 
     def step() -> float:
+        for part in acc:
+            acc[part] = 0.0
         t0 = time.perf_counter()
         m.start_quorum()
         opt.zero_grad()
         ddp(x).pow(2).mean().backward()
         if m.should_commit():
             opt.step()
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        for part, v in acc.items():
+            spent[mode_now[0]][part].append(v)
+        return took
 
     for i in range(plan["warmup"]):
         set_mode(MODES[i % len(MODES)])
         step()
+    for parts in spent.values():
+        for v in parts.values():
+            v.clear()
     samples: dict[str, list[float]] = {mode: [] for mode in MODES}
     early0, commits0 = guard.early_exchanges, m.current_step()
     for r in range(plan["rounds"]):
@@ -108,6 +136,14 @@ def _worker(plan: dict[str, Any]) -> None:
             for mode in order:
                 set_mode(mode)
                 samples[mode].append(step())
+    # The exchange alone, between steps: the same 2 x 5 float64 SUM allreduce on the same
+    # process group, both workers in lockstep (each makes the same count).
+    q = m._last_quorum
+    raw = []
+    for _ in range(40):
+        t0 = time.perf_counter()
+        start_exchange(m._pg, q.replica_rank, q.replica_world_size, [1.0, 2.0, 0.0, 0.0, 0.0]).wait(30.0)
+        raw.append(time.perf_counter() - t0)
     params = list(model.parameters())
     hashes = []
     for _ in range(9):
@@ -130,7 +166,10 @@ def _worker(plan: dict[str, Any]) -> None:
     _out({"result": {"rank": rank, "samples": samples, "param_hash_s": median(hashes),
                      "norm_cold_s": median(cold), "norm_hot_s": median(hot),
                      "early_exchanges": guard.early_exchanges - early0, "committed": m.current_step() - commits0,
-                     "steps": sum(len(v) for v in samples.values())}})
+                     "steps": sum(len(v) for v in samples.values()),
+                     "parts_s": {mode: {part: median(v) for part, v in parts.items() if v}
+                                 for mode, parts in spent.items()},
+                     "exchange_alone_s": median(raw)}})
     sys.stdin.readline()  # the parent's go: never leave the peer mid-step
     ddp.shutdown()
     m.shutdown(wait=False)
@@ -204,12 +243,17 @@ def main() -> int:
         f"checks_every_{args.check_every}_commit_vs_off": ratio(
             max(marginal["commit"], 0.0) + hash_ms / args.check_every, off),
     }
+    # Where the ride's time goes (medians per step, mean of the two workers).
+    parts = {mode: {part: sum(r["parts_s"][mode].get(part, 0.0) for r in results) / len(results) * 1e3
+                    for part in ("observe", "post", "check")} for mode in ("ride", "commit")}
+    exchange_ms = median([r["exchange_alone_s"] for r in results]) * 1e3
     goal_key = f"checks_every_{args.check_every}_ride_vs_off"
     goal = ratios[goal_key]
     out = {"plan": plan, "median_ms": med, "p90_ms": p90, "marginal_ms": marginal, "param_hash_ms": hash_ms,
            "norm_pass_ms": {"cold": norm_cold_ms, "hot": norm_hot_ms},
            "early_exchanges": [r["early_exchanges"] for r in results], "committed": [r["committed"] for r in results],
-           "steps": [r["steps"] for r in results], "goals": {goal_key: goal is not None and goal <= 0.02}}
+           "steps": [r["steps"] for r in results], "parts_ms": parts, "exchange_alone_ms": exchange_ms,
+           "goals": {goal_key: goal is not None and goal <= 0.02}}
     print(f"SDC checks in a real step: Manager + rallypoint DDP, MLP 1,312,768 params, batch 32x512, SGD, 1 torch "
           f"thread, 2 replica groups on gloo loopback; {plan['rounds']} rounds x {per} steps per mode, rotated; "
           f"load {os.getloadavg()[0]:.2f}; {wall:.1f} s")
@@ -222,6 +266,13 @@ def main() -> int:
     print(table(["mode", "median ms/step", "p90 ms", "marginal ms", "% of off"], rows))
     print("norm pass: one dot over all 5 MiB of gradients, alone, after a 64 MiB write (cold) and again (hot): "
           "the machine's memory bandwidth, the floor of a check that reads every gradient byte once")
+    ride = parts["ride"]
+    print(table(["ride: where the time goes (per step)", "ms", "% of off"], [
+        [name, f"{v:.3f}", f"{v / off * 100:.2f}%"] for name, v in (
+            ("norms of the buckets (DDP's helper thread)", ride["observe"]),
+            ("the row and posting the exchange", ride["post"]),
+            ("should_commit's check (wait + verdict)", ride["check"]),
+            ("the exchange alone, between steps", exchange_ms))]))
     print(f"exchanges that rode behind the gradients: {out['early_exchanges']} (ride steps: "
           f"{plan['rounds'] * per}); committed steps {out['committed']} of {out['steps']}")
     print(f"goal: {goal_key} <= 0.02: {'met' if out['goals'][goal_key] else 'NOT met'} "

@@ -22,7 +22,9 @@ import torch
 
 from rallypoint.manager._next_round import (NEXT_ROUND_KEY, Held, NextRound, encode_next, held_refusal, parse_next,
                                             result_digest, steady_next)
-from rallypoint.manager.recovery import QuorumResult
+from rallypoint.manager._lease import leased_quorum
+from rallypoint.manager._server_next import Issued
+from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
 
 T = timedelta(seconds=10)
 
@@ -290,7 +292,6 @@ def test_a_third_group_joins_one_step_after_the_revoke(groups: Any, lighthouse: 
         finally:
             stop.set()
         got = [f.result(timeout=60) for f in futs]
-    store = None
     assert min(got) > 3, got  # the joiner healed forward to the groups' step
     steps = {k: m.current_step() for k, m in groups.ms.items()}
     assert len(set(steps.values())) == 1, steps
@@ -343,6 +344,14 @@ def test_a_vote_with_bad_stats_is_refused_and_counts_for_nothing(lighthouse: Any
         assert c.leased_quorum(1, 4, "http://a1:1", False) is None  # once
         # asking anyway gets the same round, at once (no gathering, no lighthouse)
         assert c._quorum(1, 4, "http://a1:1", False, 10.0) == got
+        # each rank's result is derived once per lease, and a later round's equals a fresh one
+        base = s._issued.base
+        for step in (4, 5, 9):
+            s._issued = Issued(step, base)
+            for rank in (0, 1):
+                fresh = compute_quorum_result(leased_quorum(base, step), "a", rank, True)
+                assert s._issued_result(rank, step) == fresh and fresh.max_step == step
+                assert s._issued_results[rank][0] is base
     finally:
         for cl in clients:
             cl.close()

@@ -11,6 +11,7 @@ decision, and the loop writes again only at the next decision, which needs that 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -50,6 +51,10 @@ class NextRounds:
     _issued: Issued | None = None
     _next_asks: dict[int, dict[int, bool]]  # step -> group rank -> asked for a hand-out with its vote
     _issued_stats: dict[int, dict[str, Any] | None]  # group rank -> step stats of the handed-out round
+    #: group rank -> (the lease's quorum, that rank's result for a round of it): a result
+    #: derived once per lease and rank (read and written on the loop and on group rank 0's
+    #: training thread; a whole tuple is swapped, so a reader sees one or the other).
+    _issued_results: dict[int, tuple[Quorum, QuorumResult]]
 
     def _take_lease(self, step: int, commit_failures: int, shrink_only: bool) -> Quorum | None: ...
 
@@ -91,7 +96,15 @@ class NextRounds:
         issued = self._issued
         if issued is None or issued.step != step:
             return None
-        return compute_quorum_result(leased_quorum(issued.base, step), self.replica_id, rank, True)
+        # Every member of a leased round past step 0 is at the round's step, so the result
+        # differs from round to round only in max_step (as LeasedRounds.leased_local_quorum).
+        known = self._issued_results.get(rank)
+        if step > 0 and known is not None and known[0] is issued.base:
+            return dataclasses.replace(known[1], max_step=step)
+        result = compute_quorum_result(leased_quorum(issued.base, step), self.replica_id, rank, True)
+        if step > 0:
+            self._issued_results[rank] = (issued.base, result)
+        return result
 
     def _next_for(self, rank: int, step: int, decision: bool, asked: bool) -> str | None:
         """The :data:`~rallypoint.manager._next_round.NEXT_ROUND_KEY` value for ``rank``'s

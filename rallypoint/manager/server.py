@@ -148,6 +148,7 @@ class ManagerServer(InProcessCalls, LeasedRounds, NextRounds):
         self._hand_out = os.environ.get("RALLYPOINT_NEXT_ROUND", "1") != "0"
         self._next_asks: dict[int, dict[int, bool]] = {}
         self._issued_stats: dict[int, dict[str, Any] | None] = {}
+        self._issued_results: dict[int, tuple[Quorum, QuorumResult]] = {}
         self._metadata: dict[int, str] = {}
         # Which process speaks for each group rank (see manager/_votes.py); rank 0's own
         # process calls in-process with the server's key.
@@ -294,7 +295,7 @@ class ManagerServer(InProcessCalls, LeasedRounds, NextRounds):
         if not 0 <= req.group_rank < self.world_size:
             await self._bad_rank(context, req.group_rank, "quorum")
         await self._too_long(context, "checkpoint_metadata", req.checkpoint_metadata, MAX_CHECKPOINT_METADATA_BYTES)
-        stats = await self._step_stats(context, req.group_rank)
+        stats = await self._step_stats(context, req.group_rank, "quorum")
         await self._claim(context, req.group_rank, "quorum")
         try:
             result = await self._join_quorum(req, context.time_remaining(), stats)
@@ -305,13 +306,14 @@ class ManagerServer(InProcessCalls, LeasedRounds, NextRounds):
             context.set_trailing_metadata(tuple(trailing))
         return result_to_pb(result)
 
-    async def _step_stats(self, context: grpc.aio.ServicerContext, rank: int) -> dict[str, Any] | None:
+    async def _step_stats(self, context: grpc.aio.ServicerContext, rank: int, call: str) -> dict[str, Any] | None:
         """The caller's checked step stats (None when it sent none, as torchft's clients
-        never do); INVALID_ARGUMENT naming the bad field, before anything changes."""
+        never do); INVALID_ARGUMENT naming the bad field, before anything changes. ``call``
+        names the refused call in the log ("quorum", "commit vote")."""
         try:
             return rules.parse_step_stats(_header(context, rules.STEP_STATS_HEADER))
         except ValueError as e:
-            log.warning("[%s] refused quorum for group rank %d from %s: %s", self.replica_id, rank, context.peer(), e)
+            log.warning("[%s] refused %s for group rank %d from %s: %s", self.replica_id, call, rank, context.peer(), e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"replica {self.replica_id}: bad {rules.STEP_STATS_HEADER} metadata: {e}")
             raise  # not reached: abort raises
@@ -464,7 +466,7 @@ class ManagerServer(InProcessCalls, LeasedRounds, NextRounds):
         if not 0 <= req.group_rank < self.world_size:
             await self._bad_rank(context, req.group_rank, "should_commit")
         asks_next = _header(context, NEXT_ROUND_HEADER) == "1"
-        stats = await self._step_stats(context, req.group_rank) if asks_next else None
+        stats = await self._step_stats(context, req.group_rank, "commit vote") if asks_next else None
         await self._claim(context, req.group_rank, "should_commit")
         try:
             decision = await self._vote(req.group_rank, req.step, req.should_commit, asks_next, stats)
