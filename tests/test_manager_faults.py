@@ -374,3 +374,25 @@ def test_a_peer_down_after_the_collectives_fails_only_a_later_collective() -> No
     assert ff.pg.aborted.is_set() and "went down" in str(ff.errored())
     ff.new_round(2, 4)
     assert ff.errored() is None and ff.works() == []
+
+
+def test_a_peer_down_between_rounds_fails_the_next_round_of_the_same_quorum_at_once() -> None:
+    """The notice lands after this round's collectives, and the next round is of the same
+    quorum (a lease's next step, or a round handed out with the vote before the notice):
+    that round still has the dead peer, so its first collective fails at once instead of
+    waiting out the timeout. A new quorum without the peer runs normally."""
+    ff, work = _failfast(grace=30.0)
+    work.done = True
+    ff.peer_down("b", "goodbye: manager server shutdown")
+    assert not ff.pg.aborted.is_set() and ff.errored() is None
+    ff.new_round(2, 4)  # the same lease: quorum 7, with "b"
+    ff.quorum_arrived(["a", "b"])
+    ff.setup_done()
+    assert ff.add_work(_Work) is None
+    assert ff.pg.aborted.is_set() and "went down" in str(ff.errored())
+    ff.pg.aborted.clear()
+    ff.new_round(3, 4)  # the retry gets a new quorum without "b"
+    ff.quorum_id = 8
+    ff.quorum_arrived(["a", "c"])
+    ff.setup_done()
+    assert isinstance(ff.add_work(_Work), _Work) and ff.errored() is None and not ff.pg.aborted.is_set()

@@ -8,8 +8,9 @@ group rank 0, relayed to the group's other ranks). The notice aborts only what c
 block on the dead peer -- this round's configure or heal (on the quorum thread or the
 training thread), or a collective in flight --
 so a peer that leaves after our collectives finished (a replica ending its job) does not
-fail a step whose data is complete; a collective issued later in that round fails at
-once instead of hanging. A peer that says goodbye while our collectives are still in
+fail a step whose data is complete; a collective issued later in that round, or in a later
+round of the same quorum (the lease's next step, or a round handed out with the vote just
+before the notice), fails at once instead of hanging. A peer that says goodbye while our collectives are still in
 flight gets ``goodbye_grace_s`` before the abort: a goodbye comes between the peer's
 steps, so it has done its part and ours normally finish within milliseconds (aborting at
 once failed the last step of a replica a moment slower than its peers at the end of a job).
@@ -151,6 +152,10 @@ class FailFast:
                 return
             err = ConnectionError(f"peer replica {replica_id} went down ({reason})")
             self._lost_peer = (self._round, err)
+            # A later round of this quorum (the lease's next step, or a round handed out
+            # with this round's vote before the notice) still has the dead peer: its
+            # collectives fail at once instead of waiting out the timeout.
+            self._note_left(self.quorum_id, replica_id, -1, err)
             setup_busy = self._setup_busy or self.heal_busy
             works_busy = any(not w.finished() for w in self._works)
             rnd, quorum_id = self._round, self.quorum_id
@@ -167,8 +172,8 @@ class FailFast:
         if setup_busy or works_busy:
             self.abort(err, "peer_down")
         else:
-            self.log.info("%s after this step's collectives finished; a later collective of quorum %d fails fast",
-                          err, quorum_id)
+            self.log.info("%s after this step's collectives finished; a later collective of quorum %d (in this "
+                          "round or a later one) fails fast", err, quorum_id)
 
     def _left_error(self) -> Exception | None:
         """The error of a member that left this round's lease (see :meth:`left_lease`), or
