@@ -269,7 +269,7 @@ def main() -> int:
     ride = parts["ride"]
     print(table(["ride: where the time goes (per step)", "ms", "% of off"], [
         [name, f"{v:.3f}", f"{v / off * 100:.2f}%"] for name, v in (
-            ("norms of the buckets (DDP's helper thread)", ride["observe"]),
+            ("norms of the buckets (comm hook, backward pass)", ride["observe"]),
             ("the row and posting the exchange", ride["post"]),
             ("should_commit's check (wait + verdict)", ride["check"]),
             ("the exchange alone, between steps", exchange_ms))]))

@@ -16,13 +16,39 @@ from rallypoint._net.lease import LEASE_KEY, encode_grant, parse_grant
 from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint.lighthouse import leases as ls
 from rallypoint.lighthouse import quorum as q
-from rallypoint.manager._lease import Lease, LeaseHolder, lease_refusal, leased_quorum
+from rallypoint.manager._lease import Lease, LeaseHolder, lease_refusal, leased_quorum, leased_result
+from rallypoint.manager.recovery import compute_quorum_result
 
 
 def _quorum(qid: int, *ids: str, steps: tuple[int, ...] = ()) -> q.Quorum:
     steps = steps or (5,) * len(ids)
     return q.Quorum(qid, tuple(q.Member(r, address=f"http://{r}:1", store_address=f"{r}:2", step=s, world_size=1)
                                for r, s in zip(ids, steps)))
+
+
+@pytest.mark.parametrize("first, then, cached", [
+    ((5, True), (6, True), True),  # the same lease, a later step: only max_step moves
+    ((5, True), (9, True), True),
+    ((0, True), (1, True), False),  # step 0 (init_sync may heal peers) is never kept
+    ((5, True), (6, False), False),  # init_sync changed
+])
+def test_a_leased_result_is_derived_once_per_lease_and_always_equals_a_fresh_one(
+        first: tuple[int, bool], then: tuple[int, bool], cached: bool) -> None:
+    base = _quorum(7, "a", "b", "c")
+    cache: dict[Any, Any] = {}
+    entries = []
+    for step, init_sync in (first, then):
+        got = leased_result(cache, "r1", base, step, "b", 1, init_sync)
+        assert got == compute_quorum_result(leased_quorum(base, step), "b", 1, init_sync)
+        assert got.max_step == step and got.quorum_id == 7
+        entries.append(cache.get("r1"))
+    assert (entries[1] is not None and entries[1] is entries[0]) == cached
+    again = leased_result(cache, "r1", base, then[0] + 1, "b", 1, then[1])
+    # A new lease (another quorum object, even an equal one) is computed afresh.
+    other = _quorum(8, "a", "b")
+    fresh = leased_result(cache, "r1", other, then[0] + 1, "b", 1, then[1])
+    assert fresh.quorum_id == 8 and fresh != again
+    assert fresh == compute_quorum_result(leased_quorum(other, then[0] + 1), "b", 1, then[1])
 
 
 # ------------------------------------------------------------------ lighthouse rules

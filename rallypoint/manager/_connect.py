@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from torch.distributed import DistNetworkError, DistStoreError, PrefixStore
 

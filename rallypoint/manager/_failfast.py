@@ -62,7 +62,11 @@ class FailFast:
         self._setup_busy = False  # the quorum thread is still working on this round
         self.heal_busy = False  # a heal is being served or fetched on the training thread
         self._works: list[Any] = []
-        self._lost_peer: tuple[int, Exception] | None = None  # (round, why): a quorum member died
+        # (round, why): a quorum member died this round. Not derivable from _left: a notice
+        # landing after the round's quorum arrived but before quorum_id moved to it (the
+        # quorum thread sets quorum_id just after quorum_arrived) files its _left entry under
+        # the previous quorum id; this still refuses the round's collectives.
+        self._lost_peer: tuple[int, Exception] | None = None
         # (quorum_id, replica_id, after_step, why): that member takes part in no round of that
         # quorum past after_step (it left a lease, or died while a round was being answered).
         self._left: dict[tuple[int, str], tuple[int, Exception]] = {}

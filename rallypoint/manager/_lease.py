@@ -13,8 +13,13 @@ import dataclasses
 import math
 import threading
 from dataclasses import dataclass
+from typing import Hashable, MutableMapping
 
 from rallypoint.lighthouse.client import Quorum
+from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
+
+#: what :func:`leased_result` keeps per caller's key: (the lease's quorum, init_sync, result)
+ResultCache = MutableMapping[Hashable, "tuple[Quorum, bool, QuorumResult]"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,27 @@ def leased_quorum(quorum: Quorum, step: int) -> Quorum:
     members = tuple(dataclasses.replace(m, step=step, commit_failures=0, shrink_only=False, data="")
                     for m in quorum.members)
     return Quorum(quorum.quorum_id, members, quorum.created)
+
+
+def leased_result(cache: ResultCache, key: Hashable, base: Quorum, step: int, replica_id: str,
+                  group_rank: int, init_sync: bool) -> QuorumResult:
+    """Group rank ``group_rank``'s result for the leased round at ``step`` of the lease
+    whose quorum is ``base``.
+
+    Every member of a leased round is at the round's step, so past step 0 (where
+    ``init_sync`` may make peers heal) the result differs from round to round of one lease
+    only in ``max_step``: it is computed once per lease, rank and ``init_sync`` (kept in
+    ``cache`` under ``key``, which the caller bounds) and then only ``max_step`` moves. A
+    cached entry counts only for the same ``base`` object, so a new lease recomputes."""
+    known = cache.get(key)
+    if step > 0 and known is not None and known[0] is base and known[1] == init_sync:
+        return dataclasses.replace(known[2], max_step=step)
+    result = compute_quorum_result(leased_quorum(base, step), replica_id, group_rank, init_sync)
+    if step > 0:
+        cache[key] = (base, init_sync, result)
+    else:
+        cache.pop(key, None)
+    return result
 
 
 class LeaseHolder:

@@ -17,7 +17,6 @@ the usual path to the lighthouse.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -29,9 +28,9 @@ from rallypoint._proto import rallypoint_pb2 as rpb
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint.lighthouse.client import LivenessStream, Quorum
 from rallypoint.manager import rules
-from rallypoint.manager._lease import LeaseHolder, StatsBatch, leased_quorum
+from rallypoint.manager._lease import LeaseHolder, ResultCache, StatsBatch, leased_quorum, leased_result
 from rallypoint.manager._server_parts import QuorumRound
-from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
+from rallypoint.manager.recovery import QuorumResult
 
 log = logging.getLogger("rallypoint.manager")
 
@@ -52,7 +51,7 @@ class LeasedRounds:
     _local_key: str
     _metadata: dict[int, str]
     #: the lease's quorum, init_sync and the one-rank group's result derived from it
-    _leased_result: tuple[Quorum, bool, QuorumResult] | None = None
+    _leased_results: ResultCache
 
     def _lease_revoked(self, msg: rpb.LeaseRevoke) -> None:
         """The lighthouse revoked leases up to ``msg.quorum_id`` (liveness thread). When a
@@ -124,15 +123,7 @@ class LeasedRounds:
         self._metadata[0] = req.checkpoint_metadata  # what a healing peer's CheckpointMetadata(0) reads
         self._report_leased(req.step, [rules.RankRequest(0, req.shrink_only, req.commit_failures, req.init_sync,
                                                          step_stats)], now)
-        # Every member of a leased round is at the round's step, so past step 0 (where
-        # init_sync may make peers heal) the result differs from round to round only in
-        # max_step: derived once per lease.
-        known = self._leased_result
-        if req.step > 0 and known is not None and known[0] is base and known[1] == req.init_sync:
-            return dataclasses.replace(known[2], max_step=req.step)
-        result = compute_quorum_result(leased_quorum(base, req.step), self.replica_id, 0, req.init_sync)
-        self._leased_result = (base, req.init_sync, result) if req.step > 0 else None
-        return result
+        return leased_result(self._leased_results, 0, base, req.step, self.replica_id, 0, req.init_sync)
 
 
 __all__ = ["LeasedRounds"]

@@ -11,7 +11,6 @@ decision, and the loop writes again only at the next decision, which needs that 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -21,9 +20,9 @@ from typing import Any
 from rallypoint._proto import torchft_pb2 as pb
 from rallypoint.lighthouse.client import Quorum
 from rallypoint.manager import rules
-from rallypoint.manager._lease import leased_quorum
+from rallypoint.manager._lease import ResultCache, leased_quorum, leased_result
 from rallypoint.manager._next_round import encode_next, result_digest
-from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
+from rallypoint.manager.recovery import QuorumResult
 
 log = logging.getLogger("rallypoint.manager")
 
@@ -54,7 +53,7 @@ class NextRounds:
     #: group rank -> (the lease's quorum, that rank's result for a round of it): a result
     #: derived once per lease and rank (read and written on the loop and on group rank 0's
     #: training thread; a whole tuple is swapped, so a reader sees one or the other).
-    _issued_results: dict[int, tuple[Quorum, QuorumResult]]
+    _issued_results: ResultCache  # per group rank (see _lease.leased_result)
 
     def _take_lease(self, step: int, commit_failures: int, shrink_only: bool) -> Quorum | None: ...
 
@@ -96,15 +95,7 @@ class NextRounds:
         issued = self._issued
         if issued is None or issued.step != step:
             return None
-        # Every member of a leased round past step 0 is at the round's step, so the result
-        # differs from round to round only in max_step (as LeasedRounds.leased_local_quorum).
-        known = self._issued_results.get(rank)
-        if step > 0 and known is not None and known[0] is issued.base:
-            return dataclasses.replace(known[1], max_step=step)
-        result = compute_quorum_result(leased_quorum(issued.base, step), self.replica_id, rank, True)
-        if step > 0:
-            self._issued_results[rank] = (issued.base, result)
-        return result
+        return leased_result(self._issued_results, rank, issued.base, step, self.replica_id, rank, True)
 
     def _next_for(self, rank: int, step: int, decision: bool, asked: bool) -> str | None:
         """The :data:`~rallypoint.manager._next_round.NEXT_ROUND_KEY` value for ``rank``'s

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 

@@ -60,7 +60,7 @@ from rallypoint.manager.recovery import QuorumResult, compute_quorum_result
 from rallypoint.manager import rules
 from rallypoint._net.inject import INJECT_KEY, parse_injections
 from rallypoint._net.lease import parse_lease
-from rallypoint.manager._lease import LeaseHolder, StatsBatch
+from rallypoint.manager._lease import LeaseHolder, ResultCache, StatsBatch
 from rallypoint.manager._inprocess import InProcessCalls, _Failure
 from rallypoint.manager._server_lease import LeasedRounds
 from rallypoint.manager._server_next import NextRounds
@@ -148,7 +148,8 @@ class ManagerServer(InProcessCalls, LeasedRounds, NextRounds):
         self._hand_out = os.environ.get("RALLYPOINT_NEXT_ROUND", "1") != "0"
         self._next_asks: dict[int, dict[int, bool]] = {}
         self._issued_stats: dict[int, dict[str, Any] | None] = {}
-        self._issued_results: dict[int, tuple[Quorum, QuorumResult]] = {}
+        self._issued_results: ResultCache = {}  # a handed-out round's result per group rank
+        self._leased_results: ResultCache = {}  # the one-rank path's (LeasedRounds)
         self._metadata: dict[int, str] = {}
         # Which process speaks for each group rank (see manager/_votes.py); rank 0's own
         # process calls in-process with the server's key.
