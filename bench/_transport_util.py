@@ -32,7 +32,7 @@ CASES = {
 #: From this state size on, one receiver process at a time (start, warm-up + repeats,
 #: stop, next contender): ~6 receivers of 4 GB each plus the sender do not fit in 24 GiB.
 SEQUENTIAL_FROM_BYTES = 2 << 30
-CONTENDERS = ["rallypoint", "rp_inplace", "rp_into", "torchft0", "torchft4", "socket", "socket_inplace", "socket4",
+CONTENDERS = ["rallypoint", "rp_inplace", "rp_into", "rp_into_crc", "torchft0", "torchft4", "socket", "socket_inplace", "socket4",
               "rp_pg", "rp_pg_inplace", "torchft_pg"]
 PG_CONTENDERS = ("rp_pg", "rp_pg_inplace", "torchft_pg")
 #: the plain-socket contenders (they all dial the sender's one socket port)
@@ -249,6 +249,7 @@ RATIOS = [
     ("inplace_of_socket4", "socket4", "rp_inplace", "median_s"),
     ("into_vs_torchft0", "torchft0", "rp_into", "median_s"),
     ("into_of_socket_inplace", "socket_inplace", "rp_into", "median_s"),
+    ("into_crc_vs_into", "rp_into_crc", "rp_into", "median_s"),  # > 1: XXH3 sums faster than CRC-32
     ("socket4_vs_socket_inplace", "socket_inplace", "socket4", "median_s"),
     ("first_fetch_rallypoint_vs_torchft0", "torchft0", "rallypoint", "first_s"),
     ("first_fetch_inplace_vs_torchft0", "torchft0", "rp_inplace", "first_s"),
@@ -282,33 +283,48 @@ def case_ratios(rs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def checksum_seconds(nbytes: int) -> float:
-    """CPU seconds the wire's CRC-32 (``rallypoint.transports._crc``: ISA-L where installed)
-    takes over ``nbytes`` on one core of this machine, measured here on 64 MiB (median of 5):
-    what each side of a heal spends summing every block it sends or receives."""
-    from rallypoint.transports._crc import crc32
+def checksum_seconds(nbytes: int, kind: str = "crc32") -> dict[str, float]:
+    """CPU seconds one kind of the wire's inline sums (``rallypoint.transports._crc``)
+    takes over ``nbytes`` on one core of this machine, as each side of a heal meets the
+    bytes: ``send``, from memory (a 64 MiB buffer, evicted by a 64 MiB write before each
+    pass: the sender sums the state as it reads it), and ``recv``, hot (1 MiB summed right
+    after it was written: the receiver sums each read as it lands). Medians of 5."""
+    from rallypoint.transports._crc import SUM_KINDS
 
+    of = SUM_KINDS[kind].of
     buf = memoryview(bytearray(os.urandom(1 << 20)) * 64)
-    crc32(buf)  # fault the pages in
-    took = []
+    evict, fill = bytearray(64 << 20), bytes(64 << 20)
+    of(buf)  # fault the pages in
+    cold, hot = [], []
     for _ in range(5):
+        evict[:] = fill  # 128 MiB read and written: larger than this machine's caches
         t0 = time.perf_counter()
-        crc32(buf)
-        took.append(time.perf_counter() - t0)
-    return statistics.median(took) * nbytes / len(buf)
+        of(buf)
+        cold.append(time.perf_counter() - t0)
+        small = buf[: 1 << 20]
+        t0 = time.perf_counter()
+        for _ in range(16):
+            of(small)
+        hot.append((time.perf_counter() - t0) / 16)
+    return {"send": statistics.median(cold) * nbytes / len(buf), "recv": statistics.median(hot) * nbytes / (1 << 20)}
 
 
 def into_profile(rs: dict[str, Any], best: str | None, nbytes: int) -> dict[str, Any] | None:
     """Where ``rp_into``'s time over the best in-place socket goes: its extra wall time, its
-    extra CPU (receiver + sender, per fetch), and the checksums' CPU (CRC-32 of every byte on
-    both sides, :func:`checksum_seconds`). On a machine whose two cores the sender and the
-    receiver share, extra CPU shows up as wall time."""
+    extra CPU (receiver + sender, per fetch), and what the inline sums of every byte cost
+    on both sides (:func:`checksum_seconds`: the sender's from memory, the receiver's hot),
+    for CRC-32 and for XXH3 (``rp_into`` asks for XXH3; ``rp_into_crc`` for CRC-32). On a
+    machine whose two cores the sender and the receiver share, extra CPU shows up as wall
+    time."""
     if best is None or "rp_into" not in rs or best not in rs:
         return None
     into, sock = rs["rp_into"], rs[best]
+    from rallypoint.transports._crc import SUM_KINDS
+
+    sums = {k: checksum_seconds(nbytes, k) for k in ("crc32", "xxh3") if k in SUM_KINDS}
     return {"socket": best, "extra_s": into["median_s"] - sock["median_s"],
             "extra_cpu_s": into["recv_cpu_s"] + into["send_cpu_s"] - sock["recv_cpu_s"] - sock["send_cpu_s"],
-            "checksum_cpu_s_both_sides": 2 * checksum_seconds(nbytes)}
+            "sums_cpu_s": sums}
 
 
 def case_goals(rt: dict[str, Any]) -> dict[str, bool]:
@@ -378,9 +394,12 @@ def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, lo
                                                          for k, lab, f in shown))
             prof = summary.get("into_profile", {}).get(case)
             if prof is not None:
+                sums = "; ".join(f"{k} {v['send']:.3f} sending + {v['recv']:.3f} receiving"
+                                 for k, v in prof["sums_cpu_s"].items())
                 print(f"{case:<10}rp_into against {prof['socket']}: {prof['extra_s']:+.3f} s per fetch, "
-                      f"{prof['extra_cpu_s']:+.3f} s of CPU (both sides); the CRC-32 of every byte on both sides "
-                      f"alone takes {prof['checksum_cpu_s_both_sides']:.3f} s of CPU here")
+                      f"{prof['extra_cpu_s']:+.3f} s of CPU (both sides); the sums of every byte alone, CPU s: {sums}")
+                if "into_crc_vs_into" in rt:
+                    print(f"{case:<10}rp_into_crc (CRC-32 sums) / rp_into (XXH3): {rt['into_crc_vs_into']:.2f}")
             tls_parts = [
                 _fmt(rt, "http_tls_vs_http", ".2f", "http_tls / rallypoint"),
                 _fmt(rt, "http_tls_inplace_vs_inplace", ".2f", "http_tls_inplace / rp_inplace"),

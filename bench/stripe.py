@@ -59,8 +59,8 @@ def run_sender(mb: int, limit_mbps: float) -> None:
             super().__init__(*a, **kw)
             self._budget_t = time.monotonic()
 
-        def _pieces(self, served: Any, start: int, end: int, with_header: bool) -> Any:
-            for piece in super()._pieces(served, start, end, with_header):
+        def _pieces(self, served: Any, start: int, end: int, with_header: bool, *kind: Any) -> Any:
+            for piece in super()._pieces(served, start, end, with_header, *kind):
                 yield piece
                 with self._lock:  # a shared clock: the peer's rate, not each connection's
                     self._budget_t = max(self._budget_t, time.monotonic()) + piece.nbytes / (limit_mbps * 1e6)

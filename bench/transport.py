@@ -17,7 +17,8 @@ rallypoint receiving into a state dict of the same shapes that the receiver alre
 arrive (``in_place=True``: a broken transfer leaves it torn); ``rp_into`` receives into
 the same held state without ever tearing it (``into=`` alone, what the Manager's heal on
 the training thread does): into buffers kept from the previous fetch, landed by swapping
-memory once every byte verified (``rallypoint/transports/_pool.py``).
+memory once every byte verified (``rallypoint/transports/_pool.py``), with XXH3 inline sums
+(the default); ``rp_into_crc`` is the same asking for CRC-32 sums (an older peer's).
 
 The plain-socket ceiling (``_transport_util``: the receiver asks for a part, the sender
 ``sendall``s its tensors' bytes, the receiver ``recv_into``s each tensor in order):
@@ -270,12 +271,13 @@ def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = Non
         t = HTTPTransport(TIMEOUT, bind="127.0.0.1:0")
         template = zeros_state(case)
         fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT, into=template, in_place=True)  # noqa: E731
-    elif contender == "rp_into":
+    elif contender in ("rp_into", "rp_into_crc"):
         # The Manager's heal on the training thread: into the state it holds, nothing written
         # before every byte verified; warm buffers kept between fetches, landed by swapping.
+        # rp_into asks for XXH3 inline sums (the default), rp_into_crc for CRC-32.
         from rallypoint.transports.http import HTTPTransport
 
-        t = HTTPTransport(TIMEOUT, bind="127.0.0.1:0")
+        t = HTTPTransport(TIMEOUT, bind="127.0.0.1:0", checksum="crc32" if contender == "rp_into_crc" else None)
         template = zeros_state(case)
         fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT, into=template)  # noqa: E731
     elif contender.startswith("rp_pg"):
@@ -445,7 +447,8 @@ def _run_cases(a: argparse.Namespace, cases: list[str], contenders: list[str], e
 
 def _start_receiver(case: str, c: str, addrs: dict[str, Any], env: dict[str, str],
                     tls_args: list[str]) -> subprocess.Popen[str]:
-    addr = addrs[{"rp_inplace": "rallypoint", "rp_into": "rallypoint", TLS_INPLACE: TLS_CONTENDER}.get(c, c)]
+    addr = addrs[{"rp_inplace": "rallypoint", "rp_into": "rallypoint", "rp_into_crc": "rallypoint",
+                  TLS_INPLACE: TLS_CONTENDER}.get(c, c)]
     extra = tls_args if c in TLS_CONTENDERS else []
     r = child(["--role", "receiver", "--case", case, "--contender", c, "--addr", str(addr), *extra], env)
     read_json_line(r, 300, f"receiver {case}/{c} start")

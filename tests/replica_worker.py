@@ -170,8 +170,8 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
         served = m._transport
         pieces = served._pieces
 
-        def dying(sv: Any, start: int, end: int, with_header: bool) -> Any:
-            it = pieces(sv, start, end, with_header)
+        def dying(sv: Any, start: int, end: int, with_header: bool, *kind: Any) -> Any:
+            it = pieces(sv, start, end, with_header, *kind)
             if with_header or not at("mid_transfer"):
                 yield from it
                 return

@@ -75,8 +75,8 @@ def _dies_mid_transfer(t: HTTPTransport) -> list[int]:
     orig = t._pieces
     calls: list[int] = []
 
-    def dying(served: Any, start: int, end: int, with_header: bool) -> Iterator[memoryview]:
-        it = orig(served, start, end, with_header)
+    def dying(served: Any, start: int, end: int, with_header: bool, *kind: Any) -> Iterator[memoryview]:
+        it = orig(served, start, end, with_header, *kind)
         calls.append(start)
         if with_header:
             yield next(it)

@@ -156,10 +156,10 @@ class Counting(HTTPTransport):
         self.ranges = 0
         super().__init__(*a, **kw)
 
-    def _pieces(self, served: Any, start: int, end: int, with_header: bool) -> Any:
+    def _pieces(self, served: Any, start: int, end: int, with_header: bool, *kind: Any) -> Any:
         if not with_header:
             self.ranges += 1
-        return super()._pieces(served, start, end, with_header)
+        return super()._pieces(served, start, end, with_header, *kind)
 
 
 def serve_all(sources: list[HTTPTransport], sd: Any, step: int = 1) -> str:

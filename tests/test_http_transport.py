@@ -82,14 +82,14 @@ class Faulty(HTTPTransport):
         self.release = threading.Event()
         super().__init__(*a, **kw)
 
-    def _pieces(self, served: Any, start: int, end: int, with_header: bool) -> Iterator[memoryview]:
+    def _pieces(self, served: Any, start: int, end: int, with_header: bool, *kind: Any) -> Iterator[memoryview]:
         self.requests += 1
         faulty = self.requests <= self.faults
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
             first = True
-            for piece in super()._pieces(served, start, end, with_header):
+            for piece in super()._pieces(served, start, end, with_header, *kind):
                 if self.mode == "slow":
                     time.sleep(0.05)
                 if faulty and self.mode == "stall":
@@ -324,8 +324,8 @@ class Slow(HTTPTransport):
     # sleeps before each piece once the parent wrote a line to stdin
     announced = False
     delay = 0.0
-    def _pieces(self, served, start, end, with_header):
-        for piece in super()._pieces(served, start, end, with_header):
+    def _pieces(self, served, start, end, with_header, *kind):
+        for piece in super()._pieces(served, start, end, with_header, *kind):
             if Slow.delay and not Slow.announced:
                 Slow.announced = True
                 print("STREAMING", flush=True)

@@ -64,6 +64,7 @@ WHEELS = (
     "grpcio==1.85.3",
     "protobuf==7.36.2",
     "isal==1.9.1",
+    "xxhash==4.1.0",
 )
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")

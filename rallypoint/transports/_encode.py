@@ -3,9 +3,10 @@
 
 Two ways to carry checksums: in the header (one pass over the whole state before
 anything is served; the process-group transport sends whole tensors and needs them up
-front) or inline (``sums="inline"``: each piece's CRC-32 computed as the piece is
+front) or inline (``sums="inline"``: each piece's checksum computed as the piece is
 streamed, on the connection's thread, overlapping the transfer; what the HTTP transport
-serves, so serving costs no pass over the state on the caller's thread).
+serves, so serving costs no pass over the state on the caller's thread). Inline sums are
+CRC-32 unless the stream is asked for another kind (:mod:`._crc`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import os
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from rallypoint.transports._header import (
     WireError,
     key_str,
 )
-from rallypoint.transports._crc import crc32
+from rallypoint.transports._crc import CRC32, SumKind, crc32
 from rallypoint.transports._range_writer import COALESCE_BELOW
 
 #: From this many bytes on, encoding computes header checksums on several threads.
@@ -104,16 +105,17 @@ class Encoded:
         return (i < len(self.pieces) and self._piece_starts[i] == start and j > 0
                 and self.pieces[j - 1][0] + self.pieces[j - 1][1] == end)
 
-    def iter_data(self, start: int = 0, end: int | None = None, piece: int = DEFAULT_BLOCK) -> Iterator[memoryview]:
+    def iter_data(self, start: int = 0, end: int | None = None, piece: int = DEFAULT_BLOCK,
+                  sum_kind: SumKind = CRC32) -> Iterator[memoryview]:
         """Views covering data bytes ``[start, end)``, each at most ``piece`` bytes (inline:
-        each checksum block followed by its CRC-32)."""
+        each checksum block followed by its checksum of kind ``sum_kind``)."""
         end = self.data_bytes if end is None else end
         if not 0 <= start <= end <= self.data_bytes:
             raise ValueError(f"range [{start}, {end}) outside the data region of {self.data_bytes} bytes")
         if any(self.on_device):
             raise ValueError("tensors kept on their device cannot be streamed as bytes")
         if self.inline:
-            yield from self._iter_inline(start, end)
+            yield from self._iter_inline(start, end, sum_kind.of)
             return
         i = max(0, bisect.bisect_right(self.starts, start) - 1)
         pos = start
@@ -151,7 +153,7 @@ class Encoded:
     def _give_back(self, ti: int, live: bool, sent: bool) -> None:
         """A piece of tensor ``ti`` was read (``sent``: and sent completely)."""
 
-    def _iter_inline(self, start: int, end: int) -> Iterator[memoryview]:
+    def _iter_inline(self, start: int, end: int, checksum: Callable[[Any], int]) -> Iterator[memoryview]:
         if not self.aligned(start, end):
             raise ValueError(f"range [{start}, {end}) is not aligned to checksum blocks")
         first = bisect.bisect_left(self._piece_starts, start)
@@ -168,7 +170,7 @@ class Encoded:
                     small += part
                     self._summed(ti, live)
                     summed = sent = True  # copied: what is sent is what was summed
-                    small += SUM.pack(crc32(memoryview(small)[at:]))
+                    small += SUM.pack(checksum(memoryview(small)[at:]))
                     if len(small) >= self.block:
                         yield memoryview(bytes(small))
                         small.clear()
@@ -177,7 +179,7 @@ class Encoded:
                     yield memoryview(bytes(small))
                     small.clear()
                 # Summed before sending: a change after this fails the receiver's check.
-                crc = crc32(part)
+                crc = checksum(part)
                 self._summed(ti, live)
                 summed = True
                 yield part

@@ -70,7 +70,7 @@ class Connection:
         self._used = False  # a reply came over this connection already
         self._timeout = float("inf")  # the socket's current read timeout
 
-    def get(self, path: str, deadline: float, params: dict[str, int] | None = None) -> http.client.HTTPResponse:
+    def get(self, path: str, deadline: float, params: dict[str, int | str] | None = None) -> http.client.HTTPResponse:
         """Send ``GET path?params`` and return the reply with its status and headers read.
 
         Raises one of :data:`NET_ERRORS` (``TimeoutError`` past the deadline); the

@@ -12,7 +12,8 @@ faster source serves more of it. A source joins only after its header is byte-fo
 the first source's (the same tensors, shapes and step). A source that fails
 (``retries + 1`` failures, or an answer retrying cannot fix: refused, withdrawn) is
 dropped and its ranges go to the others; the receive fails only when every source
-did. The inline checksums verify each range against the source that sent it. When the
+did. The inline checksums verify each range against the source that sent it (of the
+kind the transport's ``sum_kind`` asks for where the source knows it, else CRC-32). When the
 receive is complete, every source is told (``/done``), so a live sender drops its frozen
 copy at once instead of at its timeout.
 
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from rallypoint._net.limits import MAX_CHECKPOINT_METADATA_BYTES
 from rallypoint.transports import wire
+from rallypoint.transports._crc import CRC32, SUM_KINDS, kind_named
 from rallypoint.transports._http_client import NET_ERRORS, Connection, error_text, read_body
 from rallypoint.transports._http_util import SourceRefused, TransferError, TransferTimeout
 
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("rallypoint.transports.http")
 
+#: The data reply's header naming the kind of its inline sums (see _crc.py); none: CRC-32.
+SUM_HEADER = "x-rallypoint-sum"
 #: The most sources one receive stripes over.
 MAX_SOURCES = 8
 #: How long a source other than the first may take to publish before it is left out.
@@ -350,13 +354,22 @@ class Receive:
         start, end = rng
         deadline = self.deadline
         what = f"{src.where}: range [{start}, {end})"
-        reply = conn.get(f"/checkpoint/{self.step}/data", deadline, {"start": start, "end": end})
+        params: dict[str, int | str] = {"start": start, "end": end}
+        if self.t.sum_kind is not CRC32:
+            params["sum"] = self.t.sum_kind.name
+        reply = conn.get(f"/checkpoint/{self.step}/data", deadline, params)
         if reply.status != 200:
             raise _refused(conn, reply, what, deadline)
         if reply.length != sink.header.wire_bytes(start, end):
             conn.close()
             raise wire.WireError(f"range [{start}, {end}): the source announced {reply.length} bytes")
-        w = sink.writer(start, end)
+        said = reply.getheader(SUM_HEADER)  # absent: a source that knows only CRC-32
+        kind = kind_named(said) if sink.header.inline else CRC32
+        if kind is None:
+            conn.close()
+            raise wire.WireError(f"range [{start}, {end}): the source's sums are of kind {(said or '')[:40]!r}, "
+                                 f"which this receiver does not know (it knows {', '.join(SUM_KINDS)})")
+        w = sink.writer(start, end, kind)
         try:
             w.pull(conn.body_reader(reply, deadline, what, stop))
         except BaseException:
@@ -374,4 +387,4 @@ def _refused(conn: Connection, reply: HTTPResponse, where: str, deadline: float)
     return SourceRefused(f"{where}: HTTP {reply.status}: {error_text(conn, reply, deadline)}", reply.status)
 
 
-__all__ = ["MAX_SOURCES", "Receive", "parse_sources"]
+__all__ = ["MAX_SOURCES", "Receive", "SUM_HEADER", "parse_sources"]

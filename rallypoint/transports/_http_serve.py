@@ -337,7 +337,8 @@ class CheckpointServer:
                         raise
                     self._send_text(conn, Reply(status, str(e)), close=close)
                     return not close
-            headers = {"content-type": "application/octet-stream", "content-length": str(reply.length)}
+            headers = {"content-type": "application/octet-stream", "content-length": str(reply.length),
+                       **reply.headers}
             conn.settimeout(served.timeout)
             conn.sendall(self._head_bytes(200, headers))
             if head_only:

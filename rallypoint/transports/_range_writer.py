@@ -9,7 +9,9 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING
 
-from rallypoint.transports._crc import crc32
+from typing import Any
+
+from rallypoint.transports._crc import CRC32, SumKind
 from rallypoint.transports._header import SUM, SUM_BYTES, ReadInto, WireError, read_exact
 
 if TYPE_CHECKING:
@@ -34,12 +36,15 @@ class RangeWriter:
     Either pull (:meth:`pull`, ``readinto`` straight into the tensors: no copy) or push
     (:meth:`write`, for clients that hand out ``bytes`` chunks: one copy into the tensor).
     Each piece is verified as soon as it is complete: against the header's checksum, or,
-    in an inline-checksum stream, against the 4 bytes that follow the piece on the wire.
-    A failed range may be retried with a new writer for the same range.
+    in an inline-checksum stream, against the 4 bytes that follow the piece on the wire,
+    of kind ``sum_kind`` (what the source said it sent; the header's checksums are always
+    CRC-32). A failed range may be retried with a new writer for the same range.
     """
 
-    def __init__(self, sink: Sink, start: int, end: int) -> None:
+    def __init__(self, sink: Sink, start: int, end: int, sum_kind: SumKind = CRC32) -> None:
         h = sink.header
+        if sum_kind is not CRC32 and not h.inline:
+            raise ValueError(f"{sum_kind.name} sums are inline only; this stream's checksums are in its header")
         starts = sink._piece_starts
         self._first = bisect.bisect_left(starts, start)
         self._last = bisect.bisect_left(starts, end)
@@ -58,7 +63,8 @@ class RangeWriter:
         self._fill = 0  # bytes already written into piece _pi
         self._sum = bytearray(SUM_BYTES)  # the inline checksum of piece _pi, once its data is in
         self._sum_fill = -1  # bytes of it read so far; -1: still reading the piece's data
-        self._crc: int | None = None  # CRC-32 of piece _pi's bytes [0, _fill), when summed as read
+        self._kind = sum_kind
+        self._crc: Any = None  # running sum of piece _pi's bytes [0, _fill), when summed as read
         #: bytes still expected on the wire for this range (data, plus inline checksums)
         self.wire_left = h.wire_bytes(start, end)
 
@@ -84,20 +90,29 @@ class RangeWriter:
             self._sum_fill = 0
             return
         self._fill = 0
-        self.sink._verify(self._pi, got=self._crc)
+        self.sink._verify(self._pi, got=self._crc)  # header sums are CRC-32, whose running state is its value
         self._crc = None
         self._pi += 1
 
     def _sum_done(self) -> None:
-        self.sink._verify(self._pi, SUM.unpack(self._sum)[0], got=self._crc)
+        kind = self._kind
+        if self._crc is not None:
+            got = kind.value(self._crc)
+        else:  # filled by write() from the start: sum the piece now
+            _, ln, ti, st, _ = self.sink.header.pieces[self._pi]
+            got = kind.of(self.sink._views[ti][st : st + ln])
+        self.sink._verify(self._pi, SUM.unpack(self._sum)[0], got=got)
         self._fill, self._sum_fill, self._crc = 0, -1, None
         self._pi += 1
 
     def _read_summed(self, readinto: ReadInto, view: memoryview) -> None:
         """Fill the rest of piece view ``view`` from ``readinto``, summing each read at once."""
-        if self._fill and self._crc is None:  # begun by write(): sum what is there
-            self._crc = crc32(view[: self._fill])
-        crc = self._crc or 0
+        kind = self._kind
+        if self._crc is None:  # a new piece, or one begun by write(): sum what is there
+            self._crc = kind.begin()
+            if self._fill:
+                self._crc = kind.update(self._crc, view[: self._fill])
+        crc = self._crc
         fill, end = self._fill, view.nbytes
         try:
             while fill < end:
@@ -106,7 +121,7 @@ class RangeWriter:
                     key = self._key()
                     raise WireError(f"stream truncated: got {fill} of {end} bytes of tensor {key}", key=key,
                                     target_modified=self.sink.target_touched)
-                crc = crc32(view[fill : fill + k], crc)
+                crc = kind.update(crc, view[fill : fill + k])
                 fill += k
         finally:
             self.wire_left -= fill - self._fill
@@ -161,7 +176,7 @@ class RangeWriter:
             n = min(view.nbytes - self._fill, mv.nbytes - pos)
             view[self._fill : self._fill + n] = mv[pos : pos + n]
             if self._crc is not None:  # a piece begun by pull(): keep its running sum
-                self._crc = crc32(view[self._fill : self._fill + n], self._crc)
+                self._crc = self._kind.update(self._crc, view[self._fill : self._fill + n])
             self._fill += n
             pos += n
             if self._fill == view.nbytes:

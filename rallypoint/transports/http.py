@@ -6,12 +6,16 @@ nothing is checksummed up front. By default (``serve="live"``) the caller's own 
 are served and frozen just before they change (:mod:`._live`: ``disallow_checkpoint``,
 which the Manager calls in ``should_commit``, and any optimizer step copy whatever is not
 yet delivered); ``serve="copy"`` serves a copy taken at ``send_checkpoint``. Each
-checksum block's CRC-32 is computed on the connection's thread as the block is sent, and
+checksum block's sum is computed on the connection's thread as the block is sent, and
 follows it on the wire (``"sums": "inline"``). Routes::
 
     GET /checkpoint/{step}/header               prefix + JSON header (wire.py)
-    GET /checkpoint/{step}/data?start=S&end=E   data bytes [S, E) with their inline sums,
-                                                cut at checksum blocks
+    GET /checkpoint/{step}/data?start=S&end=E[&sum=K]
+                                                data bytes [S, E) with their inline sums,
+                                                cut at checksum blocks; the sums are of
+                                                kind K where this server knows it, else
+                                                CRC-32 (the reply's x-rallypoint-sum
+                                                header names the kind; see _crc.py)
     GET /checkpoint/{step}/full                 the whole wire stream (one connection)
 
 Bodies are written with ``sendall`` straight from memoryviews of the tensors (no copy in
@@ -64,9 +68,10 @@ from rallypoint._net.addr import is_loopback
 from rallypoint._net.auth import bearer_matches, job_token
 from rallypoint._net.fds import raise_open_file_limit
 from rallypoint._net.tls import TlsConfig, check_server, client_ssl_context, server_ssl_context, tls_config
+from rallypoint.transports._crc import CRC32, SUM_KINDS, SumKind, fastest, kind_named
 from rallypoint.transports._pool import ReceivePool, pool_enabled
 from rallypoint.transports import wire
-from rallypoint.transports._http_recv import Receive
+from rallypoint.transports._http_recv import SUM_HEADER, Receive
 from rallypoint.transports._live import COPY_BELOW, LiveEncoded
 from rallypoint.transports._http_serve import CheckpointServer, Reply, Request, _Served, int_param, to_int
 from rallypoint.transports._http_util import (  # noqa: F401 - re-exported
@@ -127,6 +132,10 @@ class HTTPTransport(CheckpointTransport[Any]):
             idle cores (a DiLoCo sender on a GPU box), not in the Manager's usual step,
             where the sources freeze only after the healing peer has everything.
         copy_on_send: the older spelling: True is ``serve="copy"``, False ``"live"``.
+        checksum: the kind of inline sum a receive asks its sources for: ``"xxh3"``
+            (the default where the ``xxhash`` package is installed: a third of CRC-32's
+            CPU on the receiving side) or ``"crc32"``. A source that does not know the
+            kind sends CRC-32 and the receive verifies that (see ``_crc.py``).
     """
 
     #: A connection must finish its TLS handshake and each request head within this.
@@ -153,7 +162,14 @@ class HTTPTransport(CheckpointTransport[Any]):
         serve: str | None = None,
         copy_below: int = COPY_BELOW,
         precopy: bool = False,
+        checksum: str | None = None,
     ) -> None:
+        kind = fastest() if checksum is None else SUM_KINDS.get(checksum)
+        if kind is None:
+            raise ValueError(f"checksum={checksum!r}: this process knows {', '.join(SUM_KINDS)}"
+                             + ("" if "xxh3" in SUM_KINDS else " (xxh3 needs the xxhash package)"))
+        #: the kind of inline sum a receive asks its sources for
+        self.sum_kind: SumKind = kind
         if block < wire.MIN_NETWORK_BLOCK:
             raise ValueError(f"block={block} is below the {wire.MIN_NETWORK_BLOCK}-byte minimum receivers accept")
         self._max_state = max_state_bytes if max_state_bytes is not None else default_max_state_bytes()
@@ -232,11 +248,13 @@ class HTTPTransport(CheckpointTransport[Any]):
             return Reply(409, f"serving the checkpoint of step {served.step}, not step {step}")
         return served
 
-    def _pieces(self, served: _Served, start: int, end: int, with_header: bool) -> Iterator[memoryview]:
-        """The body's pieces; tests override this to inject faults."""
+    def _pieces(self, served: _Served, start: int, end: int, with_header: bool,
+                sum_kind: SumKind = CRC32) -> Iterator[memoryview]:
+        """The body's pieces (inline sums of kind ``sum_kind``); tests override this to
+        inject faults."""
         if with_header:
             yield memoryview(served.enc.header)
-        yield from served.enc.iter_data(start, end, SEND_PIECE)
+        yield from served.enc.iter_data(start, end, SEND_PIECE, sum_kind)
 
     def _route(self, request: Request) -> Reply:
         """``GET /checkpoint/{step}/{header,data,full,done}`` (the server has checked the
@@ -266,8 +284,11 @@ class HTTPTransport(CheckpointTransport[Any]):
             return Reply(416, f"range [{start}, {end}) outside the data of {enc.data_bytes} bytes")
         if enc.inline and not enc.aligned(start, end):
             return Reply(416, f"range [{start}, {end}) is not aligned to the {enc.block}-byte checksum blocks")
-        return Reply(200, served=served, pieces=self._pieces(served, start, end, False),
-                     length=enc.wire_bytes(start, end))
+        kind = CRC32
+        if enc.inline:  # the receiver may ask for another kind of inline sum (see _crc.py)
+            kind = kind_named((request.query.get("sum") or [""])[-1]) or CRC32
+        return Reply(200, served=served, pieces=self._pieces(served, start, end, False, kind),
+                     length=enc.wire_bytes(start, end), headers={SUM_HEADER: kind.name})
 
     def metadata(self) -> str:
         """The base URL receivers fetch from (the token is not part of it)."""

@@ -37,7 +37,10 @@ see :meth:`Header.split`) verifies and retries each range on its own, and an err
 the tensor's key and byte range.
 
 Inline checksums (``"sums": "inline"`` in the header, no ``crc32`` lists): every checksum
-block (a "piece") in the data region is followed by its CRC-32, 4 bytes little-endian::
+block (a "piece") in the data region is followed by its checksum, 4 bytes little-endian:
+CRC-32, or another kind a receiver asked for and the source confirmed outside the stream
+(the HTTP transport's ``sum`` parameter and ``x-rallypoint-sum`` reply header; ``xxh3``:
+the low 32 bits of XXH3-64, seed 0; see :mod:`rallypoint.transports._crc`)::
 
     D' bytes  piece 0, sum 0, piece 1, sum 1, ...   (D + 4 x pieces)
 
@@ -99,7 +102,7 @@ from typing import Any
 import torch
 
 from rallypoint.transports import _tensors as T
-from rallypoint.transports._crc import crc32
+from rallypoint.transports._crc import CRC32, SumKind, crc32
 from rallypoint.transports._pool import ReceivePool, can_swap, swap_into
 from rallypoint.transports._prefault import Prefault
 from rallypoint.transports._header import (  # noqa: F401 - re-exported: wire is the public face
@@ -281,8 +284,10 @@ class Sink:
             )
         return m
 
-    def writer(self, start: int, end: int) -> RangeWriter:
-        return RangeWriter(self, start, end)
+    def writer(self, start: int, end: int, sum_kind: SumKind = CRC32) -> RangeWriter:
+        """A writer for data bytes ``[start, end)``; ``sum_kind``: the kind of the inline
+        sums that follow its pieces (what the source said it sent)."""
+        return RangeWriter(self, start, end, sum_kind)
 
     def close(self) -> None:
         """Stop mapping pages ahead (:mod:`._prefault`): the receive ended or failed."""
