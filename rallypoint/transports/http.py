@@ -133,7 +133,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             where the sources freeze only after the healing peer has everything.
         copy_on_send: the older spelling: True is ``serve="copy"``, False ``"live"``.
         checksum: the kind of inline sum a receive asks its sources for: ``"xxh3"``
-            (the default where the ``xxhash`` package is installed: a third of CRC-32's
+            (the default where the ``xxhash`` package is installed: about 40 % of CRC-32's
             CPU on the receiving side) or ``"crc32"``. A source that does not know the
             kind sends CRC-32 and the receive verifies that (see ``_crc.py``).
     """
