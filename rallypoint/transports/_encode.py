@@ -48,7 +48,8 @@ class Encoded:
 
     Keeps the (possibly copied) tensors alive, so the views stay valid while this object
     lives. A transport can stream it many times (several receivers, retried ranges).
-    With inline checksums (``encode(sums="inline")``) each piece's CRC-32 is computed as
+    With inline checksums (``encode(sums="inline")``) each piece's sum, of the kind the
+    receiver asked for (CRC-32 unless it asked for another, see :mod:`._crc`), is computed as
     the piece is streamed and follows it; :meth:`_take` and :meth:`_give_back` are the
     hooks a live server uses to guard the tensors it has not copied.
     """
@@ -212,8 +213,8 @@ def encode(state_dict: Any, *, block: int = DEFAULT_BLOCK, extra: dict[str, Any]
     encoding shares no memory with ``state_dict``, which may change while it is served),
     or they are smaller than ``copy_below`` bytes, or they are inference tensors (no
     version counter to guard them with). ``sums="inline"``: no checksums are computed
-    here (no pass over the whole state before serving); each piece's CRC-32 is computed
-    as it is streamed and follows it. ``keep_device``: contiguous tensors on that (CUDA)
+    here (no pass over the whole state before serving); each piece's sum (the kind the
+    receiver asks for, CRC-32 by default) is computed as it is streamed and follows it. ``keep_device``: contiguous tensors on that (CUDA)
     device stay there, uncopied and unchecksummed (``"device": true`` in the header: a
     process group moves them device to device, see ``PGTransport``); their views are
     empty, so such an encoding cannot be streamed as bytes. Raises :class:`WireError`

@@ -311,9 +311,11 @@ def run_scenario(sc: Scenario) -> Outcome:
     try:
         lh = Run(_lighthouse_argv(sc), sc.work / "lighthouse.log", _env(sc, None), sc.work)
         runs.append(lh)
-        info = lh.wait_for(lambda x: isinstance(x, str) and x.startswith("{\"lighthouse\""), 60, "lighthouse ready")
-        # stderr shares the pipe: a log line may follow the JSON object on the same line
-        address = json.JSONDecoder().raw_decode(info)[0]["lighthouse"]
+        key = "{\"lighthouse\""
+        info = lh.wait_for(lambda x: isinstance(x, str) and key in x, 60, "lighthouse ready")
+        # stderr shares the pipe, and torchft's Rust logger writes a line in several writes: the
+        # JSON object (one write) may land after a log line's timestamp or before its text
+        address = json.JSONDecoder().raw_decode(info, info.index(key))[0]["lighthouse"]
         env = _env(sc, address)
         g0 = Run(_group_argv(sc, 0), sc.work / "group0.log", env, sc.work)
         g1 = Run(_group_argv(sc, 1), sc.work / "group1.log", env, sc.work)
