@@ -44,6 +44,8 @@ import _util  # noqa: E402
 from _util import Child, close_all, median, percentile, ratio, table  # noqa: E402
 
 MODES = ("off", "ride", "commit")
+#: A step's phases, as the worker times them.
+PHASES = ("start_quorum + forward", "backward (DDP's hook: the norms)", "should_commit", "optimizer step")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -108,24 +110,35 @@ def _worker(plan: dict[str, Any]) -> None:
         guard.check_every = 0 if mode == "off" else plan["check_every"]
         averager._posted = posted if mode == "ride" else None
 
+    # Each step's phases, per mode: where a mode's extra time shows (the checks' own calls
+    # are timed above; a phase can also slow down by what they leave behind, e.g. the cache).
+    phases: dict[str, dict[str, list[float]]] = {mode: {ph: [] for ph in PHASES} for mode in MODES}
+
     def step() -> float:
         for part in acc:
             acc[part] = 0.0
         t0 = time.perf_counter()
         m.start_quorum()
         opt.zero_grad()
-        ddp(x).pow(2).mean().backward()
-        if m.should_commit():
+        out = ddp(x).pow(2).mean()
+        t1 = time.perf_counter()
+        out.backward()
+        t2 = time.perf_counter()
+        ok = m.should_commit()
+        t3 = time.perf_counter()
+        if ok:
             opt.step()
-        took = time.perf_counter() - t0
+        t4 = time.perf_counter()
         for part, v in acc.items():
             spent[mode_now[0]][part].append(v)
-        return took
+        for ph, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases[mode_now[0]][ph].append(v)
+        return t4 - t0
 
     for i in range(plan["warmup"]):
         set_mode(MODES[i % len(MODES)])
         step()
-    for parts in spent.values():
+    for parts in (*spent.values(), *phases.values()):
         for v in parts.values():
             v.clear()
     samples: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -169,6 +182,7 @@ def _worker(plan: dict[str, Any]) -> None:
                      "steps": sum(len(v) for v in samples.values()),
                      "parts_s": {mode: {part: median(v) for part, v in parts.items() if v}
                                  for mode, parts in spent.items()},
+                     "phases_s": {mode: {ph: median(v) for ph, v in ps.items()} for mode, ps in phases.items()},
                      "exchange_alone_s": median(raw)}})
     sys.stdin.readline()  # the parent's go: never leave the peer mid-step
     ddp.shutdown()
@@ -247,12 +261,14 @@ def main() -> int:
     parts = {mode: {part: sum(r["parts_s"][mode].get(part, 0.0) for r in results) / len(results) * 1e3
                     for part in ("observe", "post", "check")} for mode in ("ride", "commit")}
     exchange_ms = median([r["exchange_alone_s"] for r in results]) * 1e3
+    phase_ms = {mode: {ph: sum(r["phases_s"][mode][ph] for r in results) / len(results) * 1e3 for ph in PHASES}
+                for mode in MODES}
     goal_key = f"checks_every_{args.check_every}_ride_vs_off"
     goal = ratios[goal_key]
     out = {"plan": plan, "median_ms": med, "p90_ms": p90, "marginal_ms": marginal, "param_hash_ms": hash_ms,
            "norm_pass_ms": {"cold": norm_cold_ms, "hot": norm_hot_ms},
            "early_exchanges": [r["early_exchanges"] for r in results], "committed": [r["committed"] for r in results],
-           "steps": [r["steps"] for r in results], "parts_ms": parts, "exchange_alone_ms": exchange_ms,
+           "steps": [r["steps"] for r in results], "parts_ms": parts, "exchange_alone_ms": exchange_ms, "phases_ms": phase_ms,
            "goals": {goal_key: goal is not None and goal <= 0.02}}
     print(f"SDC checks in a real step: Manager + rallypoint DDP, MLP 1,312,768 params, batch 32x512, SGD, 1 torch "
           f"thread, 2 replica groups on gloo loopback; {plan['rounds']} rounds x {per} steps per mode, rotated; "
@@ -273,6 +289,9 @@ def main() -> int:
             ("the row and posting the exchange", ride["post"]),
             ("should_commit's check (wait + verdict)", ride["check"]),
             ("the exchange alone, between steps", exchange_ms))]))
+    print(table(["phase (medians, mean of the two workers)", *(f"{mode} ms" for mode in MODES), "ride - off"], [
+        [ph, *(f"{phase_ms[mode][ph]:.3f}" for mode in MODES), f"{phase_ms['ride'][ph] - phase_ms['off'][ph]:+.3f}"]
+        for ph in PHASES]))
     print(f"exchanges that rode behind the gradients: {out['early_exchanges']} (ride steps: "
           f"{plan['rounds'] * per}); committed steps {out['committed']} of {out['steps']}")
     print(f"goal: {goal_key} <= 0.02: {'met' if out['goals'][goal_key] else 'NOT met'} "
