@@ -13,6 +13,8 @@ framework's fixed cost), in a fresh set of processes:
 - ``ours``: ``rallypoint.manager.Manager`` (``world_size=2`` per group, leases on); on a
   lease each rank starts its next round from the answer to its vote (one call to group
   rank 0 per step on rank 1, none on rank 0).
+- ``ours_grpc``: ``ours`` with ``RALLYPOINT_VOTE_SOCKET=0``: rank 1 votes over gRPC, as
+  before the vote socket (``rallypoint/manager/_vote_socket.py``).
 - ``ours_ask``: the same with ``RALLYPOINT_NEXT_ROUND=0``: every rank asks group rank 0
   for every round (two calls per step on rank 1), as before the hand-out.
 - ``torchft``: ``torchft.Manager`` + ``torchft.ProcessGroupGloo`` (``world_size=2`` per
@@ -25,7 +27,7 @@ uses; its wait shows in the first allreduce), and every variant's phases per ste
 over the four ranks). ``--profile`` also times the parts of each commit vote of ours inside
 group rank 0's server (how far apart the ranks voted, each call's way to the vote, the
 decision, the way back). Fixed cost = median minus plain's. Ratios:
-``fixed_ours_vs_ours_ask``, ``fixed_ours_vs_torchft`` (goal <= 1/3) and the whole steps'. A table and one JSON line ``{"bench": "group_rounds", ...}``.
+``fixed_ours_vs_ours_grpc``, ``fixed_ours_vs_ours_ask``, ``fixed_ours_vs_torchft`` (goal <= 1/3) and the whole steps'. A table and one JSON line ``{"bench": "group_rounds", ...}``.
 
     .venv/bin/python bench/group_rounds.py            # ~1-2 minutes on 2 cores
     .venv/bin/python bench/group_rounds.py --quick    # smoke run
@@ -47,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _util  # noqa: E402
 from _util import Child, close_all, fmt_ms, fmt_ratio, median, percentile, ratio, table  # noqa: E402
 
-VARIANTS = ("plain", "ours", "ours_ask", "torchft")
+VARIANTS = ("plain", "ours", "ours_grpc", "ours_ask", "torchft")
+OURS = ("ours", "ours_grpc", "ours_ask")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -92,7 +95,7 @@ def _worker(plan: dict[str, Any]) -> None:
             from rallypoint.process_groups import ProcessGroupGloo
 
             manager = Manager(pg=ProcessGroupGloo(timeout=timeout), **common)
-    votes = _watch_votes(manager, rank) if plan.get("profile") and variant in ("ours", "ours_ask") else None
+    votes = _watch_votes(manager, rank) if plan.get("profile") and variant in OURS else None
     pc = time.perf_counter
 
     def step() -> list[float]:
@@ -198,7 +201,7 @@ def vote_profile(runs: list[list[dict[str, Any]]]) -> dict[str, float] | None:
 
 # ---------------------------------------------------------------------- parent side
 def _lighthouse(variant: str) -> Any:
-    if variant in ("ours", "ours_ask"):
+    if variant in OURS:
         from rallypoint.lighthouse.server import LighthouseServer
 
         return LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=10_000,
@@ -220,6 +223,7 @@ def run_variant(variant: str, plan: dict[str, Any], timeout_s: float) -> list[di
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.setdefault("RUST_LOG", "warn")
     env["RALLYPOINT_NEXT_ROUND"] = "0" if variant == "ours_ask" else "1"
+    env["RALLYPOINT_VOTE_SOCKET"] = "0" if variant == "ours_grpc" else "1"
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHFT_LIGHTHOUSE", "RALLYPOINT_LIGHTHOUSE"):
         env.pop(k, None)
     children: list[Child] = []
@@ -294,10 +298,12 @@ def main() -> None:
             raw[v].append(run_variant(v, dict(plan, run_id=f"r{r}"), args.timeout))
     res = {v: summarize(runs) for v, runs in raw.items()}
     plain = res.get("plain", {}).get("median_ms")
-    for v in ("ours", "ours_ask", "torchft"):
+    for v in (*OURS, "torchft"):
         if v in res and plain is not None:
             res[v]["fixed_ms"] = res[v]["median_ms"] - plain
     ratios = {
+        "fixed_ours_vs_ours_grpc": ratio(res.get("ours", {}).get("fixed_ms"),
+                                         res.get("ours_grpc", {}).get("fixed_ms")),
         "fixed_ours_vs_ours_ask": ratio(res.get("ours", {}).get("fixed_ms"), res.get("ours_ask", {}).get("fixed_ms")),
         "fixed_ours_vs_torchft": ratio(res.get("ours", {}).get("fixed_ms"), res.get("torchft", {}).get("fixed_ms")),
         "step_ours_vs_ours_ask": ratio(res.get("ours", {}).get("median_ms"), res.get("ours_ask", {}).get("median_ms")),

@@ -30,6 +30,8 @@ from rallypoint.manager.recovery import QuorumResult
 from rallypoint.manager._next_round import NextRound
 from rallypoint.manager._result_pb import result_from_pb, result_to_pb
 from rallypoint.manager._votes import RANK_KEY_HEADER, new_rank_key
+from rallypoint.manager._vote_socket import VoteSocketClient, VoteSocketError, advertised_port, answer_error
+from rallypoint._net.addr import split_host_port
 from rallypoint.manager.rules import STEP_STATS_HEADER, encode_step_stats
 
 log = logging.getLogger("rallypoint.manager.client")
@@ -117,12 +119,20 @@ class ManagerClient:
         stall the whole quorum)."""
         self.addr = addr
         self._connect_timeout = seconds(connect_timeout)
-        self._metadata = bearer_metadata(job_token(token))
+        self._token = job_token(token)
+        self._metadata = bearer_metadata(self._token)
         # This client's rank key: the server binds it to the group rank of our first
         # Quorum/ShouldCommit, so no other caller can vote or set checkpoint metadata for it.
         # ``rank_key``: one the rank published in its group's store (a fresh one by default).
-        self._rank_metadata = [*(self._metadata or []), (RANK_KEY_HEADER, rank_key or new_rank_key())]
-        self._channel = tls_channel(grpc_target(addr), addr, tls or tls_config(), channel_options())
+        self._rank_key = [(RANK_KEY_HEADER, rank_key or new_rank_key())]
+        self._rank_metadata = [*(self._metadata or []), *self._rank_key]
+        tls = tls or tls_config()
+        self._channel = tls_channel(grpc_target(addr), addr, tls, channel_options())
+        # The commit vote over group rank 0's vote socket, once its server names one.
+        self._host = split_host_port(grpc_target(addr))[0]
+        self._fast: VoteSocketClient | None = None
+        self._fast_allowed = not addr.startswith("https://") and not tls.serving
+        self._fast_failed: int | None = None
         # Calls made without waiting for readiness fail at once (UNAVAILABLE) when the
         # peer refuses the connection: fail_fast skips this wait and relies on that.
         if not fail_fast:
@@ -235,15 +245,51 @@ class ManagerClient:
         lease, a rallypoint server hands out the next round with a passed vote (see
         :meth:`leased_quorum`); torchft's server ignores the ask."""
         secs = seconds(timeout)
+        asks = self._next.vote_metadata()
+        what = f"should_commit of group rank {group_rank} at step {step}"
+        fast = self._fast
+        if fast is not None:  # the group rank 0's vote socket (manager/_vote_socket.py)
+            try:
+                answer = fast.vote(group_rank, step, should_commit, [*self._rank_key, *asks], secs)
+            except VoteSocketError as e:
+                log.info("voting over gRPC: %s", e)
+                self._drop_fast()
+            except Exception:
+                self._next.voted(group_rank, step, False, None)
+                raise
+            else:
+                if answer.decision is None:
+                    self._next.voted(group_rank, step, False, None)
+                    raise answer_error(answer, f"{what} at manager {self.addr} (vote socket)")
+                self._next.voted(group_rank, step, answer.decision, answer.trailing)
+                return answer.decision
         req = pb.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit)
         try:
-            resp, call = self._commit_call.with_call(req, timeout=secs,
-                                                     metadata=[*self._rank_metadata, *self._next.vote_metadata()])
+            resp, call = self._commit_call.with_call(req, timeout=secs, metadata=[*self._rank_metadata, *asks])
         except grpc.RpcError as e:
             self._next.voted(group_rank, step, False, None)
-            raise self._translate(e, f"should_commit of group rank {group_rank} at step {step}", secs) from None
-        self._next.voted(group_rank, step, resp.should_commit, call.trailing_metadata())
+            raise self._translate(e, what, secs) from None
+        trailing = call.trailing_metadata()
+        self._next.voted(group_rank, step, resp.should_commit, trailing)
+        self._learn_fast(trailing)
         return resp.should_commit
+
+    def _learn_fast(self, trailing: Any) -> None:
+        """Vote over the socket a rallypoint server names in its answer, from the next vote
+        on (not over TLS: the socket is plain TCP)."""
+        if self._fast is not None or not self._fast_allowed:
+            return
+        port = advertised_port(trailing)
+        if port is not None and port != self._fast_failed:
+            self._fast = VoteSocketClient(self._host, port, self._token)
+
+    def _drop_fast(self) -> None:
+        """Back to gRPC (the socket failed before a vote was sent); a server that names
+        another port later (a new group rank 0) is tried again, the failed one is not."""
+        fast, self._fast = self._fast, None
+        if fast is not None:
+            self._fast_failed = fast.port
+            fast.close()
 
     def kill(self, msg: str, timeout: float | timedelta = 10.0) -> None:
         """Ask the manager server to end its replica's process (with a logged reason)."""
@@ -259,6 +305,7 @@ class ManagerClient:
         return translate_rpc_error(e, f"{what} at manager {self.addr}", timeout)
 
     def close(self) -> None:
+        self._drop_fast()
         self._channel.close()
 
     def __enter__(self) -> "ManagerClient":

@@ -64,9 +64,10 @@ from rallypoint.manager._lease import LeaseHolder, ResultCache, StatsBatch
 from rallypoint.manager._inprocess import InProcessCalls, _Failure
 from rallypoint.manager._server_lease import LeasedRounds
 from rallypoint.manager._server_next import NextRounds
-from rallypoint.manager._next_round import NEXT_ROUND_HEADER, NEXT_ROUND_KEY
-from rallypoint.manager._votes import (RANK_KEY_HEADER, CommitVotes, claim_rank, confirm_rank,
-                                       new_rank_key)
+from rallypoint.manager._votes import CommitVotes, new_rank_key
+from rallypoint.manager._server_votes import VoteCalls
+from rallypoint.manager._vote_socket import VoteSocketServer
+from rallypoint.manager._vote_socket import enabled as vote_socket_enabled
 
 from rallypoint.manager._server_parts import (QuorumRound as _QuorumRound, default_kill as _default_kill,
                                              discard as _discard, header as _header, raw as _raw)
@@ -77,7 +78,7 @@ log = logging.getLogger("rallypoint.manager")
 DEFAULT_QUORUM_TIMEOUT_S = 60.0
 
 
-class ManagerServer(InProcessCalls, LeasedRounds, NextRounds):
+class ManagerServer(VoteCalls, InProcessCalls, LeasedRounds, NextRounds):
     """torchft's ``ManagerServer(replica_id, lighthouse_addr, hostname, bind, store_addr,
     world_size, heartbeat_interval, connect_timeout, quorum_retries)`` plus ours.
 
@@ -169,6 +170,7 @@ class ManagerServer(InProcessCalls, LeasedRounds, NextRounds):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._port = 0
+        self._vote_socket: VoteSocketServer | None = None
         self.peer_cap: PeerCap | None = None  # the gRPC port's per-peer connection cap, once serving
         self._thread = threading.Thread(target=self._thread_main, name=f"rallypoint-manager-{replica_id}", daemon=True)
         self._heartbeat_thread = threading.Thread(
@@ -232,10 +234,16 @@ class ManagerServer(InProcessCalls, LeasedRounds, NextRounds):
                 raise OSError(f"[{self.replica_id}] cannot bind the manager server to {self._bind} (address in use?)")
             self._port = port
             await server.start()
+            if self.world_size > 1 and self._tls.scheme() == "http" and vote_socket_enabled():
+                # Ranks > 0 vote here instead of over gRPC (manager/_vote_socket.py); not over TLS.
+                self._vote_socket = VoteSocketServer(self._token, self._socket_vote, self.replica_id)
+                await self._vote_socket.start(split_host_port(self._bind)[0])
             self._ready.set()
             await self._stop.wait()
         finally:
             self._fail_all(grpc.StatusCode.UNAVAILABLE, f"manager server of replica {self.replica_id} is shutting down")
+            if self._vote_socket is not None:
+                await self._vote_socket.stop()
             await server.stop(grace=0.5 if self._ready.is_set() else None)
 
     def _heartbeat_main(self) -> None:
@@ -462,58 +470,6 @@ class ManagerServer(InProcessCalls, LeasedRounds, NextRounds):
                 f"that rank has not sent a quorum request yet (known ranks: {sorted(self._metadata)})",
             )
         return pb.CheckpointMetadataResponse(checkpoint_metadata=self._metadata[req.rank])
-
-    async def _should_commit(self, req: pb.ShouldCommitRequest, context: grpc.aio.ServicerContext) -> pb.ShouldCommitResponse:
-        if not 0 <= req.group_rank < self.world_size:
-            await self._bad_rank(context, req.group_rank, "should_commit")
-        asks_next = _header(context, NEXT_ROUND_HEADER) == "1"
-        stats = await self._step_stats(context, req.group_rank, "commit vote") if asks_next else None
-        await self._claim(context, req.group_rank, "should_commit")
-        try:
-            decision = await self._vote(req.group_rank, req.step, req.should_commit, asks_next, stats)
-        except _Failure as f:
-            await context.abort(f.code, f.message)
-        handed = self._next_for(req.group_rank, req.step, decision, asks_next)
-        if handed is not None:
-            context.set_trailing_metadata(((NEXT_ROUND_KEY, handed),))
-        return pb.ShouldCommitResponse(should_commit=decision)
-
-    async def _vote(self, rank: int, step: int, vote: bool, asks_next: bool = False,
-                    stats: dict[str, Any] | None = None) -> bool:
-        """One rank's commit vote for ``step``; the group's decision (raises :class:`_Failure`).
-        ``asks_next``: the rank takes its next round from the answer (``_server_next.py``);
-        ``stats``: the step stats of a handed-out round, which ride its vote."""
-        self._note_vote(rank, step, asks_next, stats)
-        return await self._votes.vote(rank, step, vote)
-
-    @property
-    def _commits(self) -> dict:
-        """The undecided should_commit rounds, by step (read-only, for tests)."""
-        return self._votes.rounds
-
-    def _superseded(self, old: int, new: int) -> Exception:
-        return _Failure(grpc.StatusCode.ABORTED,
-                        f"replica {self.replica_id}: should_commit for step {old} superseded by step {new} "
-                        "before every rank voted")
-
-    def _bind_rank(self, rank: int, key: str | None, peer: str) -> str | None:
-        """Whether the caller (``key``) may speak for ``rank``; binds a first key. Why not, or None."""
-        why = claim_rank(self._rank_keys, rank, key)
-        if why is None and key is not None and rank not in self._rank_keys:
-            self._rank_keys[rank] = key
-            log.debug("[%s] group rank %d is now bound to its caller's rank key (%s)", self.replica_id, rank, peer)
-        return why
-
-    async def _claim(self, context: grpc.aio.ServicerContext, rank: int, what: str) -> None:
-        """PERMISSION_DENIED unless the caller (its rank key) may speak for ``rank``; binds a
-        first key the group's store confirms (when the server can read it). Nothing else changes."""
-        key, why = _header(context, RANK_KEY_HEADER), None
-        if self._published_key is not None and key is not None and rank not in self._rank_keys and self._loop:
-            why = confirm_rank(await self._loop.run_in_executor(self._pool, self._published_key, rank), rank, key)
-        why = why or self._bind_rank(rank, key, context.peer())
-        if why is not None:
-            log.warning("[%s] refused %s for group rank %d from %s: %s", self.replica_id, what, rank, context.peer(), why)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"replica {self.replica_id}: {why}")
 
     async def _kill(self, req: pb.KillRequest, context: grpc.aio.ServicerContext) -> pb.KillResponse:
         await self._too_long(context, "msg", req.msg, MAX_REASON_BYTES)

@@ -1,0 +1,391 @@
+"""The commit vote over group rank 0's vote socket (``rallypoint/manager/_vote_socket.py``).
+
+What a user relies on: after the first vote over gRPC, ranks > 0 vote over the socket and
+get the same decisions; the job token guards it (a wrong proof is refused and nothing
+counts) and never travels; bad frames are refused and change nothing; a socket that fails
+falls back to gRPC; a client that gives up withdraws its vote; one rank's claim holds; the
+switch turns it off; torchft's clients never see it. Plus table tests of the wire's pure
+parts.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from conftest import wait_until
+from rallypoint.lighthouse.server import LighthouseServer
+from rallypoint.manager import _vote_socket as vs
+from rallypoint.manager.client import ManagerClient
+from rallypoint.manager.server import ManagerServer
+
+CONNECT = 5.0
+TOKEN = "vote-socket-test-token"
+
+
+# ------------------------------------------------------------------------ the wire, as tables
+@pytest.mark.parametrize("obj,error", [
+    ({"rank": 1, "step": 7, "vote": True, "timeout_s": 5}, None),
+    ({"rank": 1, "step": 7, "vote": False, "timeout_s": 0.5, "meta": [["a", "b"]]}, None),
+    ({"rank": -1, "step": 7, "vote": True, "timeout_s": 5}, "'rank'"),
+    ({"rank": True, "step": 7, "vote": True, "timeout_s": 5}, "'rank'"),
+    ({"rank": 1, "step": "7", "vote": True, "timeout_s": 5}, "'step'"),
+    ({"rank": 1, "step": 2**63, "vote": True, "timeout_s": 5}, "'step'"),
+    ({"rank": 1, "step": 7, "vote": 1, "timeout_s": 5}, "'vote'"),
+    ({"rank": 1, "step": 7, "vote": True, "timeout_s": 0}, "'timeout_s'"),
+    ({"rank": 1, "step": 7, "vote": True, "timeout_s": 1e9}, "'timeout_s'"),
+    ({"rank": 1, "step": 7, "vote": True, "timeout_s": 5, "meta": [["a"]]}, "'meta'"),
+    ({"rank": 1, "step": 7, "vote": True, "timeout_s": 5, "meta": [["a", 1]]}, "'meta'"),
+    ({"rank": 1, "step": 7, "vote": True, "timeout_s": 5, "meta": [["k", "v"]] * 9}, "'meta'"),
+    ([1, 2], "JSON object"),
+])
+def test_parse_request(obj: Any, error: str | None) -> None:
+    body = json.dumps(obj).encode()
+    if error is None:
+        req = vs.parse_request(body)
+        assert (req.rank, req.step, req.vote) == (obj["rank"], obj["step"], obj["vote"])
+        assert req.meta == dict(tuple(p) for p in obj.get("meta", []))
+    else:
+        with pytest.raises(ValueError, match=error):
+            vs.parse_request(body)
+
+
+def test_parse_request_refuses_bytes_that_are_not_json() -> None:
+    with pytest.raises(ValueError, match="JSON"):
+        vs.parse_request(b"\xff\xfe not json")
+
+
+@pytest.mark.parametrize("obj,want", [
+    ({"decision": True, "trailing": [["k", "v"]]}, vs.VoteAnswer(True, (("k", "v"),))),
+    ({"decision": False}, vs.VoteAnswer(False, ())),
+    ({"code": "PERMISSION_DENIED", "message": "no"}, vs.VoteAnswer(None, (), "PERMISSION_DENIED", "no")),
+    ({"decision": "yes"}, ValueError),
+    ({"decision": True, "trailing": [["k"]]}, ValueError),
+    ({"code": 3, "message": "x"}, ValueError),
+])
+def test_parse_answer(obj: Any, want: Any) -> None:
+    body = json.dumps(obj).encode()
+    if want is ValueError:
+        with pytest.raises(ValueError):
+            vs.parse_answer(body)
+    else:
+        assert vs.parse_answer(body) == want
+
+
+@pytest.mark.parametrize("n,ok", [(1, True), (vs.MAX_FRAME_BYTES, True), (0, False), (vs.MAX_FRAME_BYTES + 1, False),
+                                  (2**32 - 1, False)])
+def test_frame_length_is_checked_before_the_body_is_read(n: int, ok: bool) -> None:
+    prefix = struct.pack("!I", n)
+    if ok:
+        assert vs.frame_length(prefix) == n
+    else:
+        with pytest.raises(ValueError, match="announces"):
+            vs.frame_length(prefix)
+
+
+def test_encode_frame_refuses_an_oversized_frame() -> None:
+    with pytest.raises(ValueError, match="limit"):
+        vs.encode_frame({"x": "y" * vs.MAX_FRAME_BYTES})
+
+
+@pytest.mark.parametrize("trailing,want", [
+    ([(vs.PORT_KEY, "4242")], 4242), ([(vs.PORT_KEY, b"4242")], 4242), ([], None), (None, None),
+    ([(vs.PORT_KEY, "0")], None), ([(vs.PORT_KEY, "65536")], None), ([(vs.PORT_KEY, "-1")], None),
+    ([(vs.PORT_KEY, "12a")], None), ([(vs.PORT_KEY, "1" * 50)], None), ([("other", "4242")], None),
+])
+def test_advertised_port(trailing: Any, want: int | None) -> None:
+    assert vs.advertised_port(trailing) == want
+
+
+def test_proof_binds_the_nonce_and_the_token() -> None:
+    nonce = bytes(range(32))
+    p = vs.proof(TOKEN, nonce)
+    assert len(p) == vs.PROOF_BYTES and TOKEN.encode() not in p
+    assert vs.proof_ok(TOKEN, nonce, p)
+    assert not vs.proof_ok(TOKEN, bytes(32), p)  # another nonce
+    assert not vs.proof_ok("another-token", nonce, p)
+    assert not vs.proof_ok(TOKEN, nonce, bytes(32))  # what a client without a token sends
+    assert vs.proof_ok(None, nonce, b"anything")  # a server without a token takes any proof
+
+
+@pytest.mark.parametrize("env,want", [({}, True), ({vs.ENV: "1"}, True), ({vs.ENV: "0"}, False)])
+def test_switch(env: dict[str, str], want: bool) -> None:
+    assert vs.enabled(env) is want
+
+
+# ------------------------------------------------------------------------ against a ManagerServer
+class Group:
+    """A lighthouse and one replica group's ManagerServer of two ranks, with clients."""
+
+    def __init__(self, token: str | None = None) -> None:
+        self.lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=10_000, token=token)
+        self.server = ManagerServer(replica_id="g", lighthouse_addr=self.lh.address(), hostname="127.0.0.1",
+                                    bind="127.0.0.1:0", store_addr="store-g:29500", world_size=2,
+                                    heartbeat_interval=timedelta(milliseconds=100), connect_timeout=CONNECT,
+                                    token=token)
+        self.token = token
+        self.clients: list[ManagerClient] = []
+
+    def client(self, **kw: Any) -> ManagerClient:
+        c = ManagerClient(self.server.address(), connect_timeout=CONNECT, token=self.token, **kw)
+        self.clients.append(c)
+        return c
+
+    def vote(self, clients: list[ManagerClient], step: int, votes: tuple[bool, bool], timeout: float = 5.0) -> list[Any]:
+        with ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(c.should_commit, r, step, votes[r], timeout) for r, c in enumerate(clients)]
+            return [f.result(timeout=timeout + 10) for f in futs]
+
+    @property
+    def socket_votes(self) -> int:
+        sock = self.server._vote_socket
+        return sock.votes if sock is not None else 0
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.server.shutdown()
+        self.lh.shutdown()
+
+
+@pytest.fixture
+def group() -> Iterator[Group]:
+    g = Group()
+    try:
+        yield g
+    finally:
+        g.close()
+
+
+@pytest.fixture
+def token_group() -> Iterator[Group]:
+    g = Group(token=TOKEN)
+    try:
+        yield g
+    finally:
+        g.close()
+
+
+def _raw(g: Group) -> tuple[socket.socket, bytes]:
+    """A raw connection to the group's vote socket and the nonce it opened with."""
+    assert g.server._vote_socket is not None
+    sock = socket.create_connection(("127.0.0.1", g.server._vote_socket.port), timeout=5)
+    head = b""
+    while len(head) < len(vs.MAGIC) + vs.NONCE_BYTES:
+        chunk = sock.recv(64)
+        assert chunk, "the vote socket closed before its greeting"
+        head += chunk
+    assert head.startswith(vs.MAGIC)
+    return sock, head[len(vs.MAGIC):]
+
+
+def _closed_by_server(sock: socket.socket) -> bytes:
+    """Everything the server sent until it closed the connection (bounded wait)."""
+    sock.settimeout(5)
+    got = b""
+    while True:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return got
+        got += chunk
+
+
+def test_votes_move_to_the_socket_after_the_first_answer_and_decide_alike(group: Group) -> None:
+    cs = [group.client(), group.client()]
+    assert group.vote(cs, 1, (True, True)) == [True, True]  # over gRPC: the answer names the socket
+    assert group.socket_votes == 0
+    assert group.vote(cs, 2, (True, True)) == [True, True]
+    assert group.socket_votes == 2
+    assert group.vote(cs, 3, (True, False)) == [False, False]
+    assert group.vote(cs, 4, (False, True)) == [False, False]
+    assert group.socket_votes == 6
+    # A retried vote for a decided step gets the same answer over the socket too.
+    assert cs[0].should_commit(0, 3, True, 2.0) is False
+
+
+def test_the_switch_keeps_every_vote_on_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(vs.ENV, "0")
+    g = Group()
+    try:
+        assert g.server._vote_socket is None
+        cs = [g.client(), g.client()]
+        for step in (1, 2, 3):
+            assert g.vote(cs, step, (True, True)) == [True, True]
+        assert all(c._fast is None for c in cs)
+    finally:
+        g.close()
+
+
+def test_a_group_of_one_rank_serves_no_socket() -> None:
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    s = ManagerServer(replica_id="solo", lighthouse_addr=lh.address(), hostname="127.0.0.1", bind="127.0.0.1:0",
+                      store_addr="store:1", world_size=1, connect_timeout=CONNECT)
+    try:
+        assert s._vote_socket is None
+    finally:
+        s.shutdown()
+        lh.shutdown()
+
+
+def test_the_token_guards_the_socket_and_a_wrong_proof_changes_nothing(token_group: Group) -> None:
+    g = token_group
+    cs = [g.client(), g.client()]
+    assert g.vote(cs, 1, (True, True)) == [True, True]
+    assert g.vote(cs, 2, (True, True)) == [True, True]
+    assert g.socket_votes == 2  # the right token's proof is accepted
+    assert g.server._vote_socket is not None
+    refused = g.server._vote_socket.refused
+    for bad in (bytes(vs.PROOF_BYTES), None):  # no token's proof; a proof of another token
+        sock, nonce = _raw(g)
+        sock.sendall((bad if bad is not None else vs.proof("not-the-token", nonce))
+                     + vs.encode_frame({"rank": 1, "step": 3, "vote": False, "timeout_s": 5}))
+        assert _closed_by_server(sock) == b""  # closed before any answer
+        sock.close()
+    assert g.server._vote_socket.refused == refused + 2
+    assert 3 not in g.server._commits and g.socket_votes == 2  # the forged False never counted
+    assert g.vote(cs, 3, (True, True)) == [True, True]
+
+
+def test_the_token_never_travels_on_the_socket() -> None:
+    """The client sends a proof of the token, never the token: a fake server that records
+    every byte the client sends sees neither the token nor its bytes."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    seen = bytearray()
+    nonce = bytes(range(32))
+
+    def fake() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.settimeout(5)
+            conn.sendall(vs.MAGIC + nonce)
+            while len(seen) < vs.PROOF_BYTES + 4:
+                seen.extend(conn.recv(4096))
+            n = struct.unpack("!I", bytes(seen[vs.PROOF_BYTES:vs.PROOF_BYTES + 4]))[0]
+            while len(seen) < vs.PROOF_BYTES + 4 + n:
+                seen.extend(conn.recv(4096))
+            conn.sendall(vs.encode_frame({"decision": True}))
+
+    t = threading.Thread(target=fake, daemon=True)
+    t.start()
+    client = vs.VoteSocketClient("127.0.0.1", srv.getsockname()[1], TOKEN)
+    try:
+        assert client.vote(1, 5, True, [("x-rallypoint-rank-key", "k")], 5.0).decision is True
+    finally:
+        client.close()
+        t.join(5)
+        srv.close()
+    assert bytes(seen[:vs.PROOF_BYTES]) == vs.proof(TOKEN, nonce)
+    assert TOKEN.encode() not in seen
+
+
+@pytest.mark.parametrize("frame,answered", [
+    (struct.pack("!I", vs.MAX_FRAME_BYTES + 1), False),  # refused from the length alone
+    (struct.pack("!I", 0), False),
+    (struct.pack("!I", 9) + b"not json!", True),  # told why, then closed
+    (vs.encode_frame({"rank": 1, "step": 3, "vote": "yes", "timeout_s": 5}), True),
+])
+def test_a_bad_frame_is_refused_and_changes_nothing(group: Group, frame: bytes, answered: bool) -> None:
+    cs = [group.client(), group.client()]
+    assert group.vote(cs, 1, (True, True)) == [True, True]
+    assert group.server._vote_socket is not None
+    refused = group.server._vote_socket.refused
+    sock, nonce = _raw(group)
+    sock.sendall(vs.proof(None, nonce) + frame)
+    got = _closed_by_server(sock)
+    sock.close()
+    if answered:
+        answer = vs.parse_answer(got[4:])
+        assert answer.code == "INVALID_ARGUMENT" and "bad vote" in answer.message
+    else:
+        assert got == b""
+    assert group.server._vote_socket.refused == refused + 1
+    assert group.socket_votes == 0 and not group.server._commits
+    assert group.vote(cs, 2, (True, True)) == [True, True]  # the group goes on
+
+
+def test_a_socket_that_fails_falls_back_to_grpc(group: Group) -> None:
+    cs = [group.client(), group.client()]
+    assert group.vote(cs, 1, (True, True)) == [True, True]
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()  # nothing listens there now
+    for c in cs:
+        c._drop_fast()
+        c._fast = vs.VoteSocketClient("127.0.0.1", port, None)
+    before = group.socket_votes
+    assert group.vote(cs, 2, (True, True)) == [True, True]  # over gRPC
+    assert group.socket_votes == before
+    assert all(c._fast_failed == port for c in cs)
+    assert group.vote(cs, 3, (True, False)) == [False, False]  # back on the server's socket
+    assert group.socket_votes == before + 2
+
+
+def test_a_vote_given_up_is_withdrawn(group: Group) -> None:
+    cs = [group.client(), group.client()]
+    assert group.vote(cs, 1, (True, True)) == [True, True]
+    with pytest.raises(TimeoutError, match="step 2"):
+        cs[0].should_commit(0, 2, False, 0.3)  # rank 1 never votes for step 2
+    wait_until(lambda: 2 not in group.server._commits, timeout=10, what="the given-up vote withdrawn")
+    assert group.vote(cs, 3, (True, True)) == [True, True]
+
+
+def test_one_rank_cannot_vote_for_another_over_the_socket(group: Group) -> None:
+    cs = [group.client(), group.client()]
+    assert group.vote(cs, 1, (True, True)) == [True, True]
+    assert group.server._vote_socket is not None
+    intruder = group.client()  # another process: its own rank key
+    intruder._fast = vs.VoteSocketClient("127.0.0.1", group.server._vote_socket.port, None)
+    with pytest.raises(PermissionError, match="rank"):
+        intruder.should_commit(1, 2, False, 2.0)
+    assert group.socket_votes == 1 and 2 not in group.server._commits  # refused before it counted
+    assert group.vote(cs, 2, (True, True)) == [True, True]  # its False did not fail the step
+
+
+def test_shutdown_closes_the_open_vote_connections_at_once(group: Group) -> None:
+    import time
+
+    cs = [group.client(), group.client()]
+    for step in (1, 2):
+        assert group.vote(cs, step, (True, True)) == [True, True]
+    assert group.socket_votes == 2  # both clients hold an open, idle connection now
+    t0 = time.monotonic()
+    group.server.shutdown()
+    assert time.monotonic() - t0 < 5.0
+    with pytest.raises((ConnectionError, TimeoutError)):  # the socket is gone; gRPC too
+        cs[1].should_commit(1, 3, True, 1.0)
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_without_failing_the_vote(group: Group) -> None:
+    """The server closes idle connections (after 10 minutes); the next vote finds its kept
+    connection closed only after writing to it, and goes again on a new one."""
+    import asyncio
+
+    cs = [group.client(), group.client()]
+    for step in (1, 2):
+        assert group.vote(cs, step, (True, True)) == [True, True]
+    sock_server = group.server._vote_socket
+    assert sock_server is not None and group.server._loop is not None
+
+    async def close_all() -> int:
+        writers = list(sock_server._writers)
+        for w in writers:
+            w.close()
+        return len(writers)
+
+    assert asyncio.run_coroutine_threadsafe(close_all(), group.server._loop).result(5) == 2
+    wait_until(lambda: not sock_server._writers, timeout=5, what="the server-side connections closed")
+    before = sock_server.votes
+    assert group.vote(cs, 3, (True, False)) == [False, False]  # decided, not a connection error
+    assert group.vote(cs, 4, (True, True)) == [True, True]
+    assert sock_server.votes == before + 4  # both steps over the socket
