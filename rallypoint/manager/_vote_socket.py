@@ -135,14 +135,31 @@ def _int(obj: dict[str, Any], key: str, lo: int, hi: int) -> int:
     return v
 
 
-def parse_request(body: bytes) -> VoteRequest:
-    """A vote frame's body as a :class:`VoteRequest`; ValueError naming the bad field."""
+def _object(body: bytes) -> dict[str, Any]:
+    """A frame's body as a JSON object; ValueError when it is not one."""
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"not a JSON object: {e}"[:200]) from None
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
+    return obj
+
+
+def _pairs(obj: dict[str, Any], key: str) -> list[tuple[str, str]]:
+    """``obj[key]``: at most MAX_META ``[key, value]`` string pairs (none when absent)."""
+    raw = obj.get(key, [])
+    if not isinstance(raw, list) or len(raw) > MAX_META:
+        raise ValueError(f"'{key}' must be a list of at most {MAX_META} [key, value] pairs")
+    for pair in raw:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise ValueError(f"'{key}' must be a list of [key, value] string pairs")
+    return [(k, v) for k, v in raw]
+
+
+def parse_request(body: bytes) -> VoteRequest:
+    """A vote frame's body as a :class:`VoteRequest`; ValueError naming the bad field."""
+    obj = _object(body)
     rank = _int(obj, "rank", 0, 2**31 - 1)
     step = _int(obj, "step", -(2**63), 2**63 - 1)
     vote = obj.get("vote")
@@ -151,15 +168,7 @@ def parse_request(body: bytes) -> VoteRequest:
     timeout = obj.get("timeout_s")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_VOTE_TIMEOUT_S:
         raise ValueError(f"'timeout_s' must be in (0, {MAX_VOTE_TIMEOUT_S:g}], got {timeout!r}"[:200])
-    raw = obj.get("meta", [])
-    if not isinstance(raw, list) or len(raw) > MAX_META:
-        raise ValueError(f"'meta' must be a list of at most {MAX_META} [key, value] pairs")
-    meta: dict[str, str] = {}
-    for pair in raw:
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-            raise ValueError("'meta' must be a list of [key, value] string pairs")
-        meta[pair[0]] = pair[1]
-    return VoteRequest(rank, step, vote, float(timeout), meta)
+    return VoteRequest(rank, step, vote, float(timeout), dict(_pairs(obj, "meta")))
 
 
 @dataclass(frozen=True)
@@ -175,26 +184,16 @@ class VoteAnswer:
 
 def parse_answer(body: bytes) -> VoteAnswer:
     """An answer frame's body; ValueError when it is not one."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"not a JSON object: {e}"[:200]) from None
-    if not isinstance(obj, dict):
-        raise ValueError("not a JSON object")
+    obj = _object(body)
     if "code" in obj:
         code, msg = obj.get("code"), obj.get("message", "")
         if not isinstance(code, str) or not isinstance(msg, str):
             raise ValueError("a failure needs a string code and message")
         return VoteAnswer(None, (), code[:64], msg[:2000])
-    decision, raw = obj.get("decision"), obj.get("trailing", [])
-    if not isinstance(decision, bool) or not isinstance(raw, list) or len(raw) > MAX_META:
-        raise ValueError("an answer needs a boolean decision and at most a few trailing pairs")
-    trailing = []
-    for pair in raw:
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-            raise ValueError("'trailing' must be a list of [key, value] string pairs")
-        trailing.append((pair[0], pair[1]))
-    return VoteAnswer(decision, tuple(trailing))
+    decision = obj.get("decision")
+    if not isinstance(decision, bool):
+        raise ValueError(f"an answer needs a boolean decision, got {decision!r}"[:200])
+    return VoteAnswer(decision, tuple(_pairs(obj, "trailing")))
 
 
 # ------------------------------------------------------------------------------ server
