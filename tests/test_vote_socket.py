@@ -389,3 +389,34 @@ def test_a_kept_connection_the_server_closed_is_replaced_without_failing_the_vot
     assert group.vote(cs, 3, (True, False)) == [False, False]  # decided, not a connection error
     assert group.vote(cs, 4, (True, True)) == [True, True]
     assert sock_server.votes == before + 4  # both steps over the socket
+
+
+def test_a_vote_socket_that_never_answers_times_out_naming_the_vote(group: Group) -> None:
+    """The client's own bound: a source that takes the vote and never answers costs the
+    vote's timeout (plus a second), and the error names the rank and the step."""
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    held: list[socket.socket] = []
+
+    def silent() -> None:
+        conn, _ = srv.accept()
+        held.append(conn)
+        conn.sendall(vs.MAGIC + bytes(vs.NONCE_BYTES))
+
+    t = threading.Thread(target=silent, daemon=True)
+    t.start()
+    c = group.client()
+    c._fast = vs.VoteSocketClient("127.0.0.1", srv.getsockname()[1], None)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="should_commit of group rank 1 at step 5"):
+            c.should_commit(1, 5, True, 0.3)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        t.join(5)
+        for s in held:
+            s.close()
+        srv.close()

@@ -214,7 +214,7 @@ class VoteSocketServer:
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
         self.refused = 0  #: connections closed for a wrong proof or a bad frame (tests read it)
-        self.votes = 0  #: votes that reached the server's decision
+        self.votes = 0  #: well-formed votes received (refused ones included)
 
     async def start(self, host: str) -> int:
         """Listen on ``host``, a free port; the port."""
@@ -301,8 +301,8 @@ class VoteSocketServer:
         except asyncio.TimeoutError:
             answer = {"code": "DEADLINE_EXCEEDED", "message": f"no decision within {req.timeout_s:g}s"}
         except Exception as e:  # noqa: BLE001 - a refusal (the server's _Failure) or a bug: told to the client
-            answer = {"code": str(getattr(e, "code", "UNKNOWN")).rsplit(".", 1)[-1],
-                      "message": str(getattr(e, "message", e))}
+            answer = {"code": str(getattr(e, "code", "UNKNOWN")).rsplit(".", 1)[-1][:64],
+                      "message": str(getattr(e, "message", e))[:2000]}
         writer.write(encode_frame(answer))
         try:
             await asyncio.wait_for(writer.drain(), HANDSHAKE_TIMEOUT_S)

@@ -254,9 +254,9 @@ class ManagerClient:
             except VoteSocketError as e:
                 log.info("voting over gRPC: %s", e)
                 self._drop_fast()
-            except Exception:
+            except (TimeoutError, ConnectionError) as e:
                 self._next.voted(group_rank, step, False, None)
-                raise
+                raise type(e)(f"{what} at manager {self.addr}: {e}") from None
             else:
                 if answer.decision is None:
                     self._next.voted(group_rank, step, False, None)
