@@ -331,6 +331,39 @@ def test_a_socket_that_fails_falls_back_to_grpc(group: Group) -> None:
     assert group.socket_votes == before + 2
 
 
+def test_silent_connections_at_the_cap_give_way_to_the_ranks(group: Group, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone who reaches the port can fill the cap with connections that never prove the
+    token: a rank's newcomer takes the oldest one's place and its vote goes over the socket;
+    only when every place holds a proven connection is a newcomer closed (that rank votes
+    over gRPC, and the decision is the same)."""
+    monkeypatch.setattr(vs, "MAX_CONNECTIONS", 3)
+    cs = [group.client(), group.client()]
+    assert group.vote(cs, 1, (True, True)) == [True, True]  # over gRPC: the answer names the socket
+    silent = [_raw(group)[0] for _ in range(3)]  # the cap's worth, none proving anything
+    before = group.socket_votes
+    assert group.vote(cs, 2, (True, True)) == [True, True]
+    assert group.socket_votes == before + 2  # both ranks' newcomers got in: the votes came over the socket
+    # ...in the places of the two oldest silent connections, which the server closed.
+    assert [_closed_by_server(s) for s in silent[:2]] == [b"", b""]
+    # A proven newcomer takes the last silent one's place; now every place is proven.
+    sock, nonce = _raw(group)
+    sock.sendall(vs.proof(None, nonce))
+    proven = [sock]
+    assert _closed_by_server(silent[2]) == b""
+    server = group.server._vote_socket
+    assert server is not None
+    wait_until(lambda: len(server._conns) == 3 and all(ok for _, ok in server._conns.values()), timeout=5,
+               what="the last silent connection displaced and the proof accepted")
+    refused = server.refused
+    late = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    assert _closed_by_server(late) == b""  # every place proven: the newcomer is closed unanswered
+    assert server.refused == refused + 1
+    assert group.vote(cs, 3, (True, False)) == [False, False]  # the ranks' kept connections still serve
+    assert group.socket_votes == before + 4
+    for sock in (*silent, *proven, late):
+        sock.close()
+
+
 def test_a_vote_given_up_is_withdrawn(group: Group) -> None:
     cs = [group.client(), group.client()]
     assert group.vote(cs, 1, (True, True)) == [True, True]
@@ -378,13 +411,13 @@ def test_a_kept_connection_the_server_closed_is_replaced_without_failing_the_vot
     assert sock_server is not None and group.server._loop is not None
 
     async def close_all() -> int:
-        writers = list(sock_server._writers)
+        writers = list(sock_server._conns)
         for w in writers:
             w.close()
         return len(writers)
 
     assert asyncio.run_coroutine_threadsafe(close_all(), group.server._loop).result(5) == 2
-    wait_until(lambda: not sock_server._writers, timeout=5, what="the server-side connections closed")
+    wait_until(lambda: not sock_server._conns, timeout=5, what="the server-side connections closed")
     before = sock_server.votes
     assert group.vote(cs, 3, (True, False)) == [False, False]  # decided, not a connection error
     assert group.vote(cs, 4, (True, True)) == [True, True]

@@ -1,6 +1,8 @@
 """The ManagerServer's commit votes: the ``ShouldCommit`` gRPC handler and the vote socket
 (:mod:`rallypoint.manager._vote_socket`) share one path (:meth:`VoteCalls._decide_vote`),
-so a vote is checked, claimed and counted alike whichever way it came. A mixin of
+so a vote is checked, claimed and counted alike whichever way it came; its checks (the
+rank's range, the step stats, the rank claim) raise :class:`_Failure`, and the ``Quorum``
+handler makes them too. A mixin of
 :class:`~rallypoint.manager.server.ManagerServer`, which provides the attributes named in
 :class:`VoteCalls`'s annotations; on the server's event loop."""
 
@@ -60,23 +62,10 @@ class VoteCalls:
         """One rank's vote from gRPC or the vote socket (:mod:`._vote_socket`): the checks
         (each refusal a :class:`_Failure`, before anything changes), the rank claim, the
         vote round; the decision and the answer's trailing metadata (a hand-out)."""
-        if not 0 <= rank < self.world_size:
-            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"should_commit: group_rank {rank} is out of range for replica {self.replica_id} "
-                           f"(group world size {self.world_size}); check the ranks' WORLD_SIZE")
+        self._rank_in_range(rank, "should_commit")
         asks_next = meta.get(NEXT_ROUND_HEADER) == "1"
-        stats = None
-        if asks_next:
-            try:
-                stats = rules.parse_step_stats(meta.get(rules.STEP_STATS_HEADER))
-            except ValueError as e:
-                log.warning("[%s] refused commit vote for group rank %d from %s: %s", self.replica_id, rank, peer, e)
-                raise _Failure(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"replica {self.replica_id}: bad {rules.STEP_STATS_HEADER} metadata: {e}") from None
-        why = await self._claim_why(meta.get(RANK_KEY_HEADER), rank, peer)
-        if why is not None:
-            log.warning("[%s] refused should_commit for group rank %d from %s: %s", self.replica_id, rank, peer, why)
-            raise _Failure(grpc.StatusCode.PERMISSION_DENIED, f"replica {self.replica_id}: {why}")
+        stats = self._checked_stats(meta.get(rules.STEP_STATS_HEADER), rank, "commit vote", peer) if asks_next else None
+        await self._checked_claim(meta.get(RANK_KEY_HEADER), rank, "should_commit", peer)
         decision = await self._vote(rank, step, vote, asks_next, stats)
         handed = self._next_for(rank, step, decision, asks_next)
         return decision, ([(NEXT_ROUND_KEY, handed)] if handed is not None else [])
@@ -120,14 +109,31 @@ class VoteCalls:
             why = confirm_rank(await self._loop.run_in_executor(self._pool, self._published_key, rank), rank, key)
         return why or self._bind_rank(rank, key, peer)
 
-    async def _claim(self, context: grpc.aio.ServicerContext, rank: int, what: str) -> None:
-        """PERMISSION_DENIED unless the caller (its rank key) may speak for ``rank``
-        (:meth:`_claim_why`). Nothing else changes."""
-        why = await self._claim_why(_header(context, RANK_KEY_HEADER), rank, context.peer())
-        if why is not None:
-            log.warning("[%s] refused %s for group rank %d from %s: %s", self.replica_id, what, rank, context.peer(), why)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"replica {self.replica_id}: {why}")
+    def _rank_in_range(self, rank: int, what: str) -> None:
+        """A :class:`_Failure` (INVALID_ARGUMENT) unless ``rank`` is one of this group's."""
+        if not 0 <= rank < self.world_size:
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{what}: group_rank {rank} is out of range for replica {self.replica_id} "
+                           f"(group world size {self.world_size}); check the ranks' WORLD_SIZE")
 
+    def _checked_stats(self, text: str | None, rank: int, call: str, peer: str) -> dict[str, Any] | None:
+        """The caller's step stats, checked (None when it sent none, as torchft's clients
+        never do); a :class:`_Failure` (INVALID_ARGUMENT) naming the bad field, before
+        anything changes. ``call`` names the refused call in the log ("quorum", "commit vote")."""
+        try:
+            return rules.parse_step_stats(text)
+        except ValueError as e:
+            log.warning("[%s] refused %s for group rank %d from %s: %s", self.replica_id, call, rank, peer, e)
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"replica {self.replica_id}: bad {rules.STEP_STATS_HEADER} metadata: {e}") from None
+
+    async def _checked_claim(self, key: str | None, rank: int, what: str, peer: str) -> None:
+        """A :class:`_Failure` (PERMISSION_DENIED) unless the caller (its rank key) may
+        speak for ``rank`` (:meth:`_claim_why`). Nothing else changes."""
+        why = await self._claim_why(key, rank, peer)
+        if why is not None:
+            log.warning("[%s] refused %s for group rank %d from %s: %s", self.replica_id, what, rank, peer, why)
+            raise _Failure(grpc.StatusCode.PERMISSION_DENIED, f"replica {self.replica_id}: {why}")
 
 
 __all__ = ["VoteCalls"]

@@ -49,6 +49,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rallypoint._net.slots import evict_for_newcomer
+
 log = logging.getLogger("rallypoint.manager.vote_socket")
 
 #: Trailing metadata key of a ShouldCommit answer naming the vote socket's port.
@@ -72,7 +74,10 @@ HANDSHAKE_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 600.0
 #: Longest timeout a vote may ask the server to wait.
 MAX_VOTE_TIMEOUT_S = 3600.0
-#: Open vote connections a server keeps, beyond which new ones are closed at once.
+#: Open vote connections a server keeps. A newcomer beyond them takes the place of the
+#: oldest connection that has not proven the job token yet, and is closed only when every
+#: one has (:func:`rallypoint._net.slots.evict_for_newcomer`): silent connections from
+#: anyone who can reach the port cannot keep the group's ranks off the socket.
 MAX_CONNECTIONS = 64
 #: Metadata entries a vote may carry.
 MAX_META = 8
@@ -211,7 +216,8 @@ class VoteSocketServer:
         self._decide = decide
         self._label = label
         self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        #: open connections, oldest first: when accepted and whether proven
+        self._conns: dict[asyncio.StreamWriter, tuple[float, bool]] = {}
         self.port = 0
         self.refused = 0  #: connections closed for a wrong proof or a bad frame (tests read it)
         self.votes = 0  #: well-formed votes received (refused ones included)
@@ -225,7 +231,7 @@ class VoteSocketServer:
 
     async def stop(self) -> None:
         """Stop listening and close every open connection (their votes are withdrawn)."""
-        for writer in list(self._writers):
+        for writer in list(self._conns):
             writer.close()
         if self._server is not None:
             self._server.close()
@@ -234,6 +240,22 @@ class VoteSocketServer:
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping anyway
                 pass
 
+    def _make_room(self, peer: str) -> bool:
+        """Whether a newcomer (from ``peer``) gets a place: at once below the cap, else by
+        closing the oldest connection not yet proven; False when every one is proven."""
+        if len(self._conns) < MAX_CONNECTIONS:
+            return True
+        writers = list(self._conns)
+        i = evict_for_newcomer(list(self._conns.values()))
+        if i is None:
+            return False
+        victim = writers[i]
+        del self._conns[victim]
+        log.warning("[%s] vote socket: %d connections open; closing the oldest without a proof for a newcomer "
+                    "from %s", self._label, MAX_CONNECTIONS, peer)
+        victim.close()
+        return True
+
     def _refuse(self, peer: str, why: str, writer: asyncio.StreamWriter) -> None:
         self.refused += 1
         log.warning("[%s] vote socket: closed the connection from %s: %s", self._label, peer, why)
@@ -241,10 +263,11 @@ class VoteSocketServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = "%s:%s" % tuple(writer.get_extra_info("peername") or ("?", "?"))[:2]
-        if len(self._writers) >= MAX_CONNECTIONS:
-            self._refuse(peer, f"{MAX_CONNECTIONS} vote connections are open already", writer)
+        if not self._make_room(peer):
+            self._refuse(peer, f"{MAX_CONNECTIONS} proven vote connections are open already", writer)
             return
-        self._writers.add(writer)
+        accepted = time.monotonic()
+        self._conns[writer] = (accepted, False)
         try:
             sock = writer.get_extra_info("socket")
             if sock is not None:
@@ -259,10 +282,13 @@ class VoteSocketServer:
             if not proof_ok(self._token, nonce, got):
                 self._refuse(peer, "wrong job token proof", writer)
                 return
+            if writer not in self._conns:  # displaced by a newcomer meanwhile
+                return
+            self._conns[writer] = (accepted, True)
             while await self._one_vote(reader, writer, peer):
                 pass
         finally:
-            self._writers.discard(writer)
+            self._conns.pop(writer, None)
             writer.close()
 
     async def _one_vote(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> bool:
@@ -353,7 +379,8 @@ class VoteSocketClient:
         and an answer already decided is given again)."""
         frame = encode_frame({"rank": rank, "step": step, "vote": vote, "timeout_s": max(0.001, timeout),
                               "meta": [list(p) for p in meta]})
-        for again in (False, True):
+        again = False  # the second pass: on a new connection, after a kept one turned out closed
+        while True:
             with self._lock:
                 if self._closed:
                     raise VoteSocketError("the vote socket client is closed")
@@ -374,11 +401,13 @@ class VoteSocketClient:
             except OSError as e:
                 sock.close()
                 if kept:
+                    again = True
                     continue
                 raise ConnectionError(f"vote for step {step} over the vote socket {self.host}:{self.port} "
                                       f"failed: {e}") from None
             if not prefix and kept:
                 sock.close()
+                again = True
                 continue
             try:
                 if not prefix:
@@ -401,8 +430,6 @@ class VoteSocketClient:
             if not keep:
                 sock.close()
             return answer
-        raise ConnectionError(f"vote for step {step}: the vote socket {self.host}:{self.port} closed two "
-                              "connections in a row")  # pragma: no cover - the second is a new one
 
     def close(self) -> None:
         with self._lock:

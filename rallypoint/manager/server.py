@@ -64,7 +64,7 @@ from rallypoint.manager._lease import LeaseHolder, ResultCache, StatsBatch
 from rallypoint.manager._inprocess import InProcessCalls, _Failure
 from rallypoint.manager._server_lease import LeasedRounds
 from rallypoint.manager._server_next import NextRounds
-from rallypoint.manager._votes import CommitVotes, new_rank_key
+from rallypoint.manager._votes import RANK_KEY_HEADER, CommitVotes, new_rank_key
 from rallypoint.manager._server_votes import VoteCalls
 from rallypoint.manager._vote_socket import VoteSocketServer
 from rallypoint.manager._vote_socket import enabled as vote_socket_enabled
@@ -286,11 +286,6 @@ class ManagerServer(VoteCalls, InProcessCalls, LeasedRounds, NextRounds):
             },
         )
 
-    async def _bad_rank(self, context: grpc.aio.ServicerContext, rank: int, what: str) -> None:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{what}: group_rank {rank} is out of range for replica {self.replica_id} "
-                            f"(group world size {self.world_size}); check the ranks' WORLD_SIZE")
-
     async def _too_long(self, context: grpc.aio.ServicerContext, field: str, value: str, limit: int) -> None:
         """INVALID_ARGUMENT naming ``field`` if ``value`` exceeds ``limit`` UTF-8 bytes."""
         size = utf8_len(value)
@@ -301,12 +296,12 @@ class ManagerServer(VoteCalls, InProcessCalls, LeasedRounds, NextRounds):
                                 f"{field} is {size} bytes; the limit is {limit}")
 
     async def _quorum(self, req: pb.ManagerQuorumRequest, context: grpc.aio.ServicerContext) -> pb.ManagerQuorumResponse:
-        if not 0 <= req.group_rank < self.world_size:
-            await self._bad_rank(context, req.group_rank, "quorum")
-        await self._too_long(context, "checkpoint_metadata", req.checkpoint_metadata, MAX_CHECKPOINT_METADATA_BYTES)
-        stats = await self._step_stats(context, req.group_rank, "quorum")
-        await self._claim(context, req.group_rank, "quorum")
+        rank, peer = req.group_rank, context.peer()
         try:
+            self._rank_in_range(rank, "quorum")
+            await self._too_long(context, "checkpoint_metadata", req.checkpoint_metadata, MAX_CHECKPOINT_METADATA_BYTES)
+            stats = self._checked_stats(_header(context, rules.STEP_STATS_HEADER), rank, "quorum", peer)
+            await self._checked_claim(_header(context, RANK_KEY_HEADER), rank, "quorum", peer)
             result = await self._join_quorum(req, context.time_remaining(), stats)
         except _Failure as f:
             await context.abort(f.code, f.message)
@@ -314,18 +309,6 @@ class ManagerServer(VoteCalls, InProcessCalls, LeasedRounds, NextRounds):
         if trailing:
             context.set_trailing_metadata(tuple(trailing))
         return result_to_pb(result)
-
-    async def _step_stats(self, context: grpc.aio.ServicerContext, rank: int, call: str) -> dict[str, Any] | None:
-        """The caller's checked step stats (None when it sent none, as torchft's clients
-        never do); INVALID_ARGUMENT naming the bad field, before anything changes. ``call``
-        names the refused call in the log ("quorum", "commit vote")."""
-        try:
-            return rules.parse_step_stats(_header(context, rules.STEP_STATS_HEADER))
-        except ValueError as e:
-            log.warning("[%s] refused %s for group rank %d from %s: %s", self.replica_id, call, rank, context.peer(), e)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"replica {self.replica_id}: bad {rules.STEP_STATS_HEADER} metadata: {e}")
-            raise  # not reached: abort raises
 
     async def _join_quorum(self, req: pb.ManagerQuorumRequest, remaining: float | None,
                            stats: dict[str, Any] | None = None) -> QuorumResult:
