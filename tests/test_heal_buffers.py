@@ -144,6 +144,25 @@ def test_the_pool_keeps_one_receive_worth_and_can_be_turned_off(monkeypatch: pyt
         t.shutdown()
 
 
+def test_a_kept_buffer_comes_back_as_itself_or_as_a_view_of_its_bytes() -> None:
+    """The same dtype and shape (a heal of an unchanged layout) gets the kept tensor back
+    without a view; another dtype or shape of the same byte size gets its bytes; a tensor
+    that is not the whole of its storage is not kept (swapping it would hand out memory
+    that something else lives in)."""
+    pool = ReceivePool()
+    kept = torch.arange(8, dtype=torch.float32)
+    pool.give(kept)
+    assert pool.take(torch.float32, (8,)) is kept
+    pool.give(kept)
+    as_ints = pool.take(torch.int16, (4, 4))
+    assert as_ints is not None and as_ints.shape == (4, 4) and as_ints.data_ptr() == kept.data_ptr()
+    assert pool.take(torch.int16, (4, 4)) is None  # handed out once
+    pool.give(torch.zeros(16)[4:12])  # a slice: not the whole of its storage
+    pool.give(torch.zeros(16)[:8])  # the start of a storage: not the whole of it either
+    pool.give(torch.zeros(4, 4).t())  # not contiguous
+    assert pool.kept_bytes() == 0
+
+
 def test_a_deferred_receive_touches_nothing_until_it_lands(pair: tuple[HTTPTransport, HTTPTransport]) -> None:
     from rallypoint.transports.wire import Landing, WireError
 

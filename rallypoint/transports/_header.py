@@ -238,46 +238,49 @@ def parse_header(raw: bytes | bytearray | memoryview, min_block: int = 1, max_da
 
 
 def _check_tree(node: Any, path: tuple[Any, ...], depth: int, paths: dict[int, tuple[Any, ...]], n: int) -> None:
-    """Validate a tree node recursively and record the path of every tensor index."""
-    key = key_str(path)
+    """Validate a tree node recursively and record the path of every tensor index. (The
+    node's key is built only for a refusal: for every node of a state of thousands of
+    tensors it was a third of parsing the header.)"""
     if depth > MAX_DEPTH:
-        raise _bad(f"tree nested deeper than {MAX_DEPTH}", key)
+        raise _bad(f"tree nested deeper than {MAX_DEPTH}", key_str(path))
     if not isinstance(node, dict) or not node:
-        raise _bad(f"tree node {str(node)[:80]!r} is not an object", key)
+        raise _bad(f"tree node {str(node)[:80]!r} is not an object", key_str(path))
     kind = "d" if "d" in node else next(iter(node))
     if kind == "d" and set(node) <= {"d", "o", "m"}:
         items = node["d"]
         if not isinstance(items, list) or node.get("o", True) is not True:
-            raise _bad("bad dict node", key)
+            raise _bad("bad dict node", key_str(path))
         for it in items:
             if not isinstance(it, list) or len(it) != 2 or type(it[0]) not in _SCALARS:
-                raise _bad("bad dict item", key)
+                raise _bad("bad dict item", key_str(path))
             _check_tree(it[1], path + (it[0],), depth + 1, paths, n)
         if "m" in node:
             before = len(paths)
             _check_tree(node["m"], path + ("_metadata",), depth + 1, paths, n)
             if len(paths) != before:
-                raise _bad("_metadata may not hold tensors", key)
+                raise _bad("_metadata may not hold tensors", key_str(path))
         return
     if len(node) != 1:
-        raise _bad(f"tree node has unexpected fields {sorted(node)}", key)
+        raise _bad(f"tree node has unexpected fields {sorted(node)}", key_str(path))
     val = node[kind]
     if kind == "t":
         if type(val) is not int or not 0 <= val < n or val in paths:
-            raise _bad(f"bad or repeated tensor index {val!r}", key)
+            raise _bad(f"bad or repeated tensor index {val!r}", key_str(path))
         paths[val] = path
     elif kind == "v":
         if type(val) not in _SCALARS:
+            key = key_str(path)
             raise WireError(f"{key}: value of type {type(val).__name__} is not an allowed leaf", key=key)
     elif kind in ("l", "u"):
         if not isinstance(val, list):
-            raise _bad("bad list/tuple node", key)
+            raise _bad("bad list/tuple node", key_str(path))
         for i, v in enumerate(val):
             _check_tree(v, path + (i,), depth + 1, paths, n)
     elif kind == "s":
         if not isinstance(val, list) or any(type(v) is not int for v in val):
-            raise _bad("bad torch.Size node", key)
+            raise _bad("bad torch.Size node", key_str(path))
     else:
+        key = key_str(path)
         raise WireError(f"{key}: unknown node kind {kind!r} (leaf type not allowed)", key=key)
 
 

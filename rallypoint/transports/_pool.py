@@ -26,6 +26,7 @@ for the last receive), which is one more copy of the received state between heal
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections import defaultdict
@@ -43,16 +44,21 @@ def pool_enabled(environ: dict[str, str] | None = None) -> bool:
     return (os.environ if environ is None else environ).get(ENV, "1") != "0"
 
 
+#: torch's storage swap (torch >= 2.3); without it every tensor is copied into.
+_CAN_SWAP_STORAGES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
 def can_swap(target: torch.Tensor, buf: torch.Tensor) -> bool:
     """Whether ``target`` may take ``buf``'s memory by swapping storages: both CPU,
     contiguous, each the whole of its own storage (so nothing else lives in the memory
     that changes hands), the same size, neither in shared memory (a process group may have
-    moved a buffer there), and a torch that can swap."""
-    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+    moved a buffer there), and a torch that can swap. (Per tensor of every heal: the
+    cheapest refusals come first.)"""
+    if not _CAN_SWAP_STORAGES or target.device.type != "cpu" or buf.device.type != "cpu":
         return False
-    if target.device.type != "cpu" or buf.device.type != "cpu" or target.is_conj() or target.is_neg():
+    if target.storage_offset() or buf.storage_offset() or not (target.is_contiguous() and buf.is_contiguous()):
         return False
-    if not (target.is_contiguous() and buf.is_contiguous()) or target.storage_offset() or buf.storage_offset():
+    if target.is_conj() or target.is_neg():
         return False
     ts, bs = target.untyped_storage(), buf.untyped_storage()
     n = target.numel() * target.element_size()
@@ -60,16 +66,24 @@ def can_swap(target: torch.Tensor, buf: torch.Tensor) -> bool:
         and ts.data_ptr() != bs.data_ptr()
 
 
-def swap_into(target: torch.Tensor, buf: torch.Tensor) -> None:
+def swap_into(target: torch.Tensor, buf: torch.Tensor, bump: bool = True) -> None:
     """``target`` now holds ``buf``'s bytes and ``buf`` ``target``'s old ones (see
-    :func:`can_swap`); autograd sees ``target`` modified in place."""
+    :func:`can_swap`); autograd sees ``target`` modified in place (``bump=False``: the
+    caller tells autograd itself, for many tensors in one call)."""
     target.untyped_storage()._swap_data_ptr_(buf.untyped_storage())  # type: ignore[attr-defined]
-    torch.autograd.graph.increment_version(target)
+    if bump:
+        torch.autograd.graph.increment_version(target)
 
 
 class ReceivePool:
-    """CPU byte buffers by size, kept between receives (see the module docstring). One
-    receive at a time takes from it; thread-safe all the same."""
+    """CPU buffers kept between receives, by size in bytes (see the module docstring). One
+    receive at a time takes from it; thread-safe all the same.
+
+    A buffer is kept as the tensor that held it; taking it for the same dtype and shape
+    (the common case: the state's layout did not change since the last heal) hands that
+    tensor back as it is, with no view built, which matters per tensor for states of
+    thousands of small ones; any other dtype and shape of the same byte size gets a view of
+    its bytes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -79,24 +93,28 @@ class ReceivePool:
     def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """A kept buffer of exactly the bytes of ``dtype`` x ``shape``, as such a tensor;
         None when there is none (the caller allocates)."""
-        n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
         with self._lock:
             free = self._free.get(n)
             if not free:
                 return None
-            raw = free.pop()
+            buf = free.pop()
             self.reused_bytes += n
+        if buf.dtype == dtype and buf.shape == shape:
+            return buf
+        raw = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
         return raw.view(dtype).view(shape)
 
     def give(self, buf: torch.Tensor) -> None:
-        """Keep ``buf`` (a contiguous CPU tensor owning its storage) for a later receive."""
+        """Keep ``buf`` (a contiguous CPU tensor that is the whole of its storage) for a
+        later receive; any other tensor is not kept."""
         if buf.device.type != "cpu" or buf.storage_offset() or not buf.is_contiguous():
             return
-        raw = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage())
-        if raw.numel() != buf.numel() * buf.element_size():
+        n = buf.numel() * buf.element_size()
+        if buf.untyped_storage().nbytes() != n:
             return
         with self._lock:
-            self._free[raw.numel()].append(raw)
+            self._free[n].append(buf)
 
     def trim(self, keep: int) -> None:
         """A receive ended whose buffers were ``keep`` bytes: keep no more than that."""

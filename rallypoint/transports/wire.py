@@ -214,6 +214,7 @@ class Sink:
         if device is not None and device.type == "cpu":
             device = None
         fresh: set[int] = set()  # tensors received into new CPU memory: mapped ahead (_prefault)
+        cpu = torch.device("cpu")
         for spec in header.tensors:
             if spec.device and device is None:
                 raise WireError(f"{spec.key}: sent from device memory; only a receiver on a device "
@@ -231,9 +232,9 @@ class Sink:
                 tgt is not None
                 and isinstance(tgt, torch.Tensor)
                 and tgt.dtype == spec.dtype
-                and tuple(tgt.shape) == spec.shape
+                and tgt.shape == spec.shape
             )
-            where = device if spec.device else torch.device("cpu")
+            where = device if spec.device else cpu
             direct = ok and in_place and tgt.device == where and tgt.is_contiguous() and not tgt.is_conj()
             if into is not None and not ok:
                 logger.debug("%s: no matching tensor in the target; receiving into a new one", spec.key)
@@ -380,49 +381,61 @@ class Sink:
             raise WireError("this received state was landed already")
         self._landed = True
         leaves: list[Any] = []
-        pool, pooled = self._pool, 0
+        changed: list[torch.Tensor] = []  # targets written or swapped: autograd hears of them in one call
         with torch.no_grad():
-            for spec in self.header.tensors:
-                i = spec.index
-                dest, tgt = self._dest[i], self._target[i]
-                assert dest is not None  # dropped only after this point
-                if tgt is not None:
-                    if self._direct[i]:
-                        torch.autograd.graph.increment_version(tgt)
-                    elif pool is not None and can_swap(tgt, dest):
-                        swap_into(tgt, dest)  # no copy: dest now holds the old bytes (_pool.py)
-                    else:
-                        tgt.copy_(dest)
-                    if pool is not None and not self._direct[i] and dest.device.type == "cpu":
-                        pool.give(dest)  # the next receive's buffer
-                        pooled += spec.nbytes
-                    self._dest[i] = None  # drop the staging tensor right away
-                    leaves.append(self._target_leaf[i])
-                    continue
-                leaf: Any
-                if spec.dtensor is not None and self._meshes[i] is DEFER:
-                    leaves.append(SentDTensor(spec.key, dest, dict(spec.dtensor), bool(spec.param)))
-                    continue
-                if spec.dtensor is not None:
-                    from torch.distributed.tensor import DTensor
-
-                    meta = spec.dtensor
-                    leaf = DTensor.from_local(
-                        dest,
-                        self._meshes[i],
-                        T.placements_from_json(meta["placements"]),
-                        run_check=False,
-                        shape=torch.Size(meta["shape"]),
-                        stride=tuple(meta["stride"]),
-                    )
-                else:
-                    leaf = dest
-                if spec.param:
-                    leaf = torch.nn.Parameter(leaf, requires_grad=True)
-                leaves.append(leaf)
-        if pool is not None:
-            pool.trim(pooled)
+            try:
+                pooled = self._land_each(leaves, changed)
+            finally:
+                if changed:
+                    torch.autograd.graph.increment_version(changed)
+        if self._pool is not None:
+            self._pool.trim(pooled)
         return _build(self.header.tree, leaves)
+
+    def _land_each(self, leaves: list[Any], changed: list[torch.Tensor]) -> int:
+        """:meth:`land`'s walk over the tensors: each leaf of the result into ``leaves``,
+        each target whose bytes changed into ``changed``; the bytes given to the pool."""
+        pool, pooled = self._pool, 0
+        for spec in self.header.tensors:
+            i = spec.index
+            dest, tgt = self._dest[i], self._target[i]
+            assert dest is not None  # dropped only after this point
+            if tgt is not None:
+                if self._direct[i]:
+                    changed.append(tgt)
+                elif pool is not None and can_swap(tgt, dest):
+                    swap_into(tgt, dest, bump=False)  # no copy: dest now holds the old bytes (_pool.py)
+                    changed.append(tgt)
+                else:
+                    tgt.copy_(dest)
+                if pool is not None and not self._direct[i] and dest.device.type == "cpu":
+                    pool.give(dest)  # the next receive's buffer
+                    pooled += spec.nbytes
+                self._dest[i] = None  # drop the staging tensor right away
+                leaves.append(self._target_leaf[i])
+                continue
+            leaf: Any
+            if spec.dtensor is not None and self._meshes[i] is DEFER:
+                leaves.append(SentDTensor(spec.key, dest, dict(spec.dtensor), bool(spec.param)))
+                continue
+            if spec.dtensor is not None:
+                from torch.distributed.tensor import DTensor
+
+                meta = spec.dtensor
+                leaf = DTensor.from_local(
+                    dest,
+                    self._meshes[i],
+                    T.placements_from_json(meta["placements"]),
+                    run_check=False,
+                    shape=torch.Size(meta["shape"]),
+                    stride=tuple(meta["stride"]),
+                )
+            else:
+                leaf = dest
+            if spec.param:
+                leaf = torch.nn.Parameter(leaf, requires_grad=True)
+            leaves.append(leaf)
+        return pooled
 
 
 class Landing:
