@@ -10,6 +10,15 @@ framework's fixed cost), in a fresh set of processes:
 - ``plain``: the managed variants' communication without a manager: group rank r of
   each group in one gloo group of two (``init_process_group``); per step zero_grad,
   forward, backward, ``dist.all_reduce`` of every grad, divide by 2, step. The floor.
+- ``plain_vote``: ``plain`` plus what committing only when every rank of the group
+  succeeded needs at least: after the allreduces, the group's two ranks agree through one
+  1-element allreduce (MIN of their success flags) over a gloo group of their own. Its cost
+  over ``plain`` is the price of coupling the group's ranks every step, which no design of
+  the vote avoids (``fixed_ours_over_plain_vote`` is ours against it).
+- ``plain_ping``: the same agreement the way our vote socket makes it, without a framework:
+  rank 1 sends its flag over a TCP connection to rank 0, which answers with both flags'
+  AND once it has its own (one round trip per step, ``TCP_NODELAY``). The floor of our
+  design on this machine (``fixed_ours_over_plain_ping``).
 - ``ours``: ``rallypoint.manager.Manager`` (``world_size=2`` per group, leases on); on a
   lease each rank starts its next round from the answer to its vote (one call to group
   rank 0 per step on rank 1, none on rank 0).
@@ -27,7 +36,10 @@ uses; its wait shows in the first allreduce), and every variant's phases per ste
 over the four ranks). ``--profile`` also times the parts of each commit vote of ours inside
 group rank 0's server (how far apart the ranks voted, each call's way to the vote, the
 decision, the way back). Fixed cost = median minus plain's. Ratios:
-``fixed_ours_vs_ours_grpc``, ``fixed_ours_vs_ours_ask``, ``fixed_ours_vs_torchft`` (goal <= 1/3) and the whole steps'. A table and one JSON line ``{"bench": "group_rounds", ...}``.
+``fixed_ours_vs_ours_grpc``, ``fixed_ours_vs_ours_ask``, ``fixed_ours_vs_torchft`` (goal <= 1/3),
+``fixed_ours_over_plain_vote`` and ``fixed_ours_over_plain_ping`` (ours against the floors),
+``beyond_ping_ours_vs_torchft`` (what each framework costs beyond ``plain_ping``'s step) and
+the whole steps'. A table and one JSON line ``{"bench": "group_rounds", ...}``.
 
     .venv/bin/python bench/group_rounds.py            # ~1-2 minutes on 2 cores
     .venv/bin/python bench/group_rounds.py --quick    # smoke run
@@ -49,8 +61,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _util  # noqa: E402
 from _util import Child, close_all, fmt_ms, fmt_ratio, median, percentile, ratio, table  # noqa: E402
 
-VARIANTS = ("plain", "ours", "ours_grpc", "ours_ask", "torchft")
+VARIANTS = ("plain", "plain_vote", "plain_ping", "ours", "ours_grpc", "ours_ask", "torchft")
 OURS = ("ours", "ours_grpc", "ours_ask")
+PLAIN = ("plain", "plain_vote", "plain_ping")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -74,11 +87,20 @@ def _worker(plan: dict[str, Any]) -> None:
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         os.environ.pop(k, None)
     manager: Any = None
-    if variant == "plain":
+    vote_pg: Any = None
+    link: Any = None
+    if variant in PLAIN:
         store = dist.TCPStore("127.0.0.1", plan["store_ports"][0], is_master=False, wait_for_workers=False,
                               timeout=timeout)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"{plan['run_id']}/plain/{rank}", store),
                                 rank=group, world_size=2, timeout=timeout)
+        if variant == "plain_vote":  # the group's own two ranks, on the group's store
+            gstore = dist.TCPStore("127.0.0.1", plan["store_ports"][group], is_master=False, wait_for_workers=False,
+                                   timeout=timeout)
+            vote_pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{plan['run_id']}/vote/{group}", gstore), rank, 2,
+                                            timeout)
+        if variant == "plain_ping":
+            link = _ping_link(plan, group, rank, timeout)
     else:
         common = dict(load_state_dict=model.load_state_dict, state_dict=model.state_dict, min_replica_size=2,
                       use_async_quorum=True, rank=rank, world_size=2, lighthouse_addr=plan["lighthouse"],
@@ -96,6 +118,9 @@ def _worker(plan: dict[str, Any]) -> None:
 
             manager = Manager(pg=ProcessGroupGloo(timeout=timeout), **common)
     votes = _watch_votes(manager, rank) if plan.get("profile") and variant in OURS else None
+    min_opts = dist.AllreduceOptions()
+    min_opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # torch stubs: RedOpType
+    flag = torch.ones(1)
     pc = time.perf_counter
 
     def step() -> list[float]:
@@ -113,7 +138,16 @@ def _worker(plan: dict[str, Any]) -> None:
             else:
                 manager.allreduce(g).wait()
         t2 = pc()
-        ok = manager.should_commit() if manager is not None else True
+        if manager is not None:
+            ok = manager.should_commit()
+        elif link is not None:
+            ok = _ping_vote(link, rank, True)
+        elif vote_pg is not None:
+            flag.fill_(1.0)
+            vote_pg.allreduce([flag], min_opts).wait()
+            ok = bool(flag.item() == 1.0)
+        else:
+            ok = True
         t3 = pc()
         if ok:
             opt.step()
@@ -136,6 +170,46 @@ def _worker(plan: dict[str, Any]) -> None:
     else:
         dist.destroy_process_group()
     os._exit(0)
+
+
+def _ping_link(plan: dict[str, Any], group: int, rank: int, timeout: timedelta) -> Any:
+    """``plain_ping``: a TCP connection between the group's two ranks (rank 0 listens on a
+    free port and names it in the group's store)."""
+    import socket
+
+    import torch.distributed as dist
+
+    gstore = dist.TCPStore("127.0.0.1", plan["store_ports"][group], is_master=False, wait_for_workers=False,
+                           timeout=timeout)
+    key = f"{plan['run_id']}/ping/{group}"
+    secs = timeout.total_seconds()
+    if rank == 0:
+        with socket.create_server(("127.0.0.1", 0)) as lsock:
+            lsock.settimeout(secs)
+            gstore.set(key, str(lsock.getsockname()[1]))
+            conn, _ = lsock.accept()
+    else:
+        conn = socket.create_connection(("127.0.0.1", int(gstore.get(key))), timeout=secs)
+    conn.settimeout(secs)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def _ping_vote(conn: Any, rank: int, mine: bool) -> bool:
+    """One agreement over ``plain_ping``'s link: rank 1 sends its flag and reads the
+    decision; rank 0 reads rank 1's flag and answers with the AND."""
+    if rank == 0:
+        theirs = conn.recv(1)
+        if not theirs:
+            raise ConnectionError("plain_ping: rank 1 closed the link")
+        ok = mine and theirs == b"1"
+        conn.sendall(b"1" if ok else b"0")
+        return ok
+    conn.sendall(b"1" if mine else b"0")
+    answer = conn.recv(1)
+    if not answer:
+        raise ConnectionError("plain_ping: rank 0 closed the link")
+    return answer == b"1"
 
 
 def _watch_votes(manager: Any, rank: int) -> list[tuple[str, int, int, float, float]]:
@@ -268,6 +342,12 @@ def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
             "commit_fraction": commits / max(1, steps), "rank1_rounds_handed_out": sum(taken) if taken else None}
 
 
+def _beyond(res: dict[str, Any], variant: str, floor: str) -> float | None:
+    """``variant``'s median step minus ``floor``'s (ms): its cost beyond that floor."""
+    a, b = res.get(variant, {}).get("median_ms"), res.get(floor, {}).get("median_ms")
+    return None if a is None or b is None else a - b
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         _worker(json.loads(sys.argv[2]))
@@ -298,7 +378,7 @@ def main() -> None:
             raw[v].append(run_variant(v, dict(plan, run_id=f"r{r}"), args.timeout))
     res = {v: summarize(runs) for v, runs in raw.items()}
     plain = res.get("plain", {}).get("median_ms")
-    for v in (*OURS, "torchft"):
+    for v in (*PLAIN[1:], *OURS, "torchft"):
         if v in res and plain is not None:
             res[v]["fixed_ms"] = res[v]["median_ms"] - plain
     ratios = {
@@ -306,6 +386,13 @@ def main() -> None:
                                          res.get("ours_grpc", {}).get("fixed_ms")),
         "fixed_ours_vs_ours_ask": ratio(res.get("ours", {}).get("fixed_ms"), res.get("ours_ask", {}).get("fixed_ms")),
         "fixed_ours_vs_torchft": ratio(res.get("ours", {}).get("fixed_ms"), res.get("torchft", {}).get("fixed_ms")),
+        "fixed_ours_over_plain_vote": ratio(res.get("ours", {}).get("fixed_ms"),
+                                            res.get("plain_vote", {}).get("fixed_ms")),
+        "fixed_torchft_over_plain_vote": ratio(res.get("torchft", {}).get("fixed_ms"),
+                                               res.get("plain_vote", {}).get("fixed_ms")),
+        "fixed_ours_over_plain_ping": ratio(res.get("ours", {}).get("fixed_ms"),
+                                           res.get("plain_ping", {}).get("fixed_ms")),
+        "beyond_ping_ours_vs_torchft": ratio(_beyond(res, "ours", "plain_ping"), _beyond(res, "torchft", "plain_ping")),
         "step_ours_vs_ours_ask": ratio(res.get("ours", {}).get("median_ms"), res.get("ours_ask", {}).get("median_ms")),
         "step_ours_vs_torchft": ratio(res.get("ours", {}).get("median_ms"), res.get("torchft", {}).get("median_ms")),
     }
