@@ -96,13 +96,22 @@ def test_encode_frame_refuses_an_oversized_frame() -> None:
         vs.encode_frame({"x": "y" * vs.MAX_FRAME_BYTES})
 
 
+_ID = bytes(range(vs.INSTANCE_BYTES))
+
+
 @pytest.mark.parametrize("trailing,want", [
-    ([(vs.PORT_KEY, "4242")], 4242), ([(vs.PORT_KEY, b"4242")], 4242), ([], None), (None, None),
-    ([(vs.PORT_KEY, "0")], None), ([(vs.PORT_KEY, "65536")], None), ([(vs.PORT_KEY, "-1")], None),
-    ([(vs.PORT_KEY, "12a")], None), ([(vs.PORT_KEY, "1" * 50)], None), ([("other", "4242")], None),
+    ([(vs.PORT_KEY, vs.advertise(4242, _ID))], (4242, _ID)),
+    ([(vs.PORT_KEY, vs.advertise(4242, _ID).encode())], (4242, _ID)),
+    ([], None), (None, None), ([("other", vs.advertise(4242, _ID))], None),
+    ([(vs.PORT_KEY, "4242")], None),  # no instance id
+    ([(vs.PORT_KEY, "4242/" + "ab" * 8)], None),  # too short an id
+    ([(vs.PORT_KEY, "4242/" + "zz" * 16)], None),  # not hex
+    ([(vs.PORT_KEY, "0/" + "ab" * 16)], None), ([(vs.PORT_KEY, "65536/" + "ab" * 16)], None),
+    ([(vs.PORT_KEY, "-1/" + "ab" * 16)], None), ([(vs.PORT_KEY, "12a/" + "ab" * 16)], None),
+    ([(vs.PORT_KEY, "1" * 50 + "/" + "ab" * 16)], None), ([(vs.PORT_KEY, "1" * 5000)], None),
 ])
-def test_advertised_port(trailing: Any, want: int | None) -> None:
-    assert vs.advertised_port(trailing) == want
+def test_advertised(trailing: Any, want: tuple[int, bytes] | None) -> None:
+    assert vs.advertised(trailing) == want
 
 
 def test_proof_binds_the_nonce_and_the_token() -> None:
@@ -179,12 +188,12 @@ def _raw(g: Group) -> tuple[socket.socket, bytes]:
     assert g.server._vote_socket is not None
     sock = socket.create_connection(("127.0.0.1", g.server._vote_socket.port), timeout=5)
     head = b""
-    while len(head) < len(vs.MAGIC) + vs.NONCE_BYTES:
+    while len(head) < len(vs.MAGIC) + vs.NONCE_BYTES + vs.INSTANCE_BYTES:
         chunk = sock.recv(64)
         assert chunk, "the vote socket closed before its greeting"
         head += chunk
-    assert head.startswith(vs.MAGIC)
-    return sock, head[len(vs.MAGIC):]
+    assert head.startswith(vs.MAGIC) and head.endswith(g.server._vote_socket.instance)
+    return sock, head[len(vs.MAGIC):len(vs.MAGIC) + vs.NONCE_BYTES]
 
 
 def _closed_by_server(sock: socket.socket) -> bytes:
@@ -267,7 +276,7 @@ def test_the_token_never_travels_on_the_socket() -> None:
         conn, _ = srv.accept()
         with conn:
             conn.settimeout(5)
-            conn.sendall(vs.MAGIC + nonce)
+            conn.sendall(vs.MAGIC + nonce + _ID)
             while len(seen) < vs.PROOF_BYTES + 4:
                 seen.extend(conn.recv(4096))
             n = struct.unpack("!I", bytes(seen[vs.PROOF_BYTES:vs.PROOF_BYTES + 4]))[0]
@@ -277,7 +286,7 @@ def test_the_token_never_travels_on_the_socket() -> None:
 
     t = threading.Thread(target=fake, daemon=True)
     t.start()
-    client = vs.VoteSocketClient("127.0.0.1", srv.getsockname()[1], TOKEN)
+    client = vs.VoteSocketClient("127.0.0.1", srv.getsockname()[1], TOKEN, _ID)
     try:
         assert client.vote(1, 5, True, [("x-rallypoint-rank-key", "k")], 5.0).decision is True
     finally:
@@ -322,13 +331,38 @@ def test_a_socket_that_fails_falls_back_to_grpc(group: Group) -> None:
     dead.close()  # nothing listens there now
     for c in cs:
         c._drop_fast()
-        c._fast = vs.VoteSocketClient("127.0.0.1", port, None)
+        c._fast = vs.VoteSocketClient("127.0.0.1", port, None, _ID)
     before = group.socket_votes
     assert group.vote(cs, 2, (True, True)) == [True, True]  # over gRPC
     assert group.socket_votes == before
-    assert all(c._fast_failed == port for c in cs)
+    assert all(c._fast_failed == (port, _ID) for c in cs)
     assert group.vote(cs, 3, (True, False)) == [False, False]  # back on the server's socket
     assert group.socket_votes == before + 2
+
+
+def test_a_port_another_server_took_gets_no_vote(group: Group) -> None:
+    """A client whose server's socket port now belongs to another server (its server
+    restarted, another replica group's socket got the port) sends nothing there: the
+    greeting names another instance, so the vote goes over gRPC to its own server and the
+    other socket counts nothing."""
+    other = Group()
+    try:
+        cs = [group.client(), group.client()]
+        assert group.vote(cs, 1, (True, True)) == [True, True]
+        assert group.server._vote_socket is not None and other.server._vote_socket is not None
+        stale = cs[1]._fast
+        assert stale is not None and stale.instance == group.server._vote_socket.instance
+        # The port this client learnt now answers as the other group's socket.
+        cs[1]._fast = vs.VoteSocketClient("127.0.0.1", other.server._vote_socket.port, None, stale.instance)
+        before = (group.socket_votes, other.socket_votes)
+        assert group.vote(cs, 2, (True, False)) == [False, False]  # decided by its own group, over gRPC
+        assert other.socket_votes == before[1] and 2 not in other.server._commits
+        assert cs[1]._fast_failed == (other.server._vote_socket.port, stale.instance)
+        assert group.vote(cs, 3, (True, True)) == [True, True]  # its own server's socket again
+        assert group.socket_votes == before[0] + 3  # rank 0's two votes and rank 1's last
+        assert cs[1]._fast is not None and cs[1]._fast.instance == group.server._vote_socket.instance
+    finally:
+        other.close()
 
 
 def test_silent_connections_at_the_cap_give_way_to_the_ranks(group: Group, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -378,7 +412,8 @@ def test_one_rank_cannot_vote_for_another_over_the_socket(group: Group) -> None:
     assert group.vote(cs, 1, (True, True)) == [True, True]
     assert group.server._vote_socket is not None
     intruder = group.client()  # another process: its own rank key
-    intruder._fast = vs.VoteSocketClient("127.0.0.1", group.server._vote_socket.port, None)
+    intruder._fast = vs.VoteSocketClient("127.0.0.1", group.server._vote_socket.port, None,
+                                         group.server._vote_socket.instance)
     with pytest.raises(PermissionError, match="rank"):
         intruder.should_commit(1, 2, False, 2.0)
     assert group.socket_votes == 1 and 2 not in group.server._commits  # refused before it counted
@@ -437,12 +472,12 @@ def test_a_vote_socket_that_never_answers_times_out_naming_the_vote(group: Group
     def silent() -> None:
         conn, _ = srv.accept()
         held.append(conn)
-        conn.sendall(vs.MAGIC + bytes(vs.NONCE_BYTES))
+        conn.sendall(vs.MAGIC + bytes(vs.NONCE_BYTES) + _ID)
 
     t = threading.Thread(target=silent, daemon=True)
     t.start()
     c = group.client()
-    c._fast = vs.VoteSocketClient("127.0.0.1", srv.getsockname()[1], None)
+    c._fast = vs.VoteSocketClient("127.0.0.1", srv.getsockname()[1], None, _ID)
     t0 = time.monotonic()
     try:
         with pytest.raises(TimeoutError, match="should_commit of group rank 1 at step 5"):

@@ -21,7 +21,7 @@ from rallypoint.manager import rules
 from rallypoint.manager._inprocess import _Failure
 from rallypoint.manager._next_round import NEXT_ROUND_HEADER, NEXT_ROUND_KEY
 from rallypoint.manager._server_parts import header as _header
-from rallypoint.manager._vote_socket import PORT_KEY, VoteRequest, VoteSocketServer
+from rallypoint.manager._vote_socket import PORT_KEY, VoteRequest, VoteSocketServer, advertise
 from rallypoint.manager._votes import RANK_KEY_HEADER, CommitVotes, claim_rank, confirm_rank
 
 log = logging.getLogger("rallypoint.manager")
@@ -52,7 +52,7 @@ class VoteCalls:
         except _Failure as f:
             await context.abort(f.code, f.message)
         if self._vote_socket is not None and self._vote_socket.port:
-            trailing.append((PORT_KEY, str(self._vote_socket.port)))
+            trailing.append((PORT_KEY, advertise(self._vote_socket.port, self._vote_socket.instance)))
         if trailing:
             context.set_trailing_metadata(tuple(trailing))
         return pb.ShouldCommitResponse(should_commit=decision)

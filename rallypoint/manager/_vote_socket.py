@@ -8,14 +8,18 @@ step). The vote is the only call on the step path of such a group once the quoru
 
 How: group rank 0's ``ManagerServer`` also listens on a TCP port of its own (same host,
 port 0) when its gRPC port is not TLS, and names that port in the trailing metadata of
-every ``ShouldCommit`` answer (:data:`PORT_KEY`). A rallypoint client that gets it sends
-its later votes there; torchft's clients never see it (they ignore unknown trailing
+every ``ShouldCommit`` answer (:data:`PORT_KEY`: the port and the socket's random instance
+id). A rallypoint client that gets it sends its later votes there; torchft's clients never see it (they ignore unknown trailing
 metadata) and go on over gRPC. The server decides the vote exactly as the gRPC handler
 does (the same checks, rank claim, vote round and hand-out).
 
 The wire, one connection per client, votes one at a time:
 
-* the server opens with :data:`MAGIC` and a fresh random nonce of :data:`NONCE_BYTES`;
+* the server opens with :data:`MAGIC`, a fresh random nonce of :data:`NONCE_BYTES` and its
+  instance id (:data:`INSTANCE_BYTES`, random per server). A client whose server named
+  another id (the port it learnt now belongs to another server: its server restarted and
+  another group's socket took the port) sends nothing there and votes over gRPC instead, so
+  a stale port never carries a vote to the wrong replica group;
 * the client answers with :func:`proof`: HMAC-SHA256 of the nonce under the job token
   (zeros without one). The token itself never travels, so it is only sent to nobody; a
   server with a token closes a connection whose proof is wrong, before reading anything
@@ -57,8 +61,9 @@ log = logging.getLogger("rallypoint.manager.vote_socket")
 PORT_KEY = "x-rallypoint-vote-port"
 #: Environment switch on group rank 0: ``0`` serves no vote socket.
 ENV = "RALLYPOINT_VOTE_SOCKET"
-MAGIC = b"RPV1"
+MAGIC = b"RPV2"
 NONCE_BYTES = 32
+INSTANCE_BYTES = 16
 PROOF_BYTES = 32
 _CONTEXT = b"rallypoint vote socket v1 "
 _LEN = struct.Struct("!I")
@@ -213,6 +218,8 @@ class VoteSocketServer:
 
     def __init__(self, token: str | None, decide: Decide, label: str) -> None:
         self._token = token
+        #: random per server: named with the port, checked by clients before they send anything
+        self.instance = secrets.token_bytes(INSTANCE_BYTES)
         self._decide = decide
         self._label = label
         self._server: asyncio.AbstractServer | None = None
@@ -273,7 +280,7 @@ class VoteSocketServer:
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             nonce = secrets.token_bytes(NONCE_BYTES)
-            writer.write(MAGIC + nonce)
+            writer.write(MAGIC + nonce + self.instance)
             try:
                 got = await asyncio.wait_for(reader.readexactly(PROOF_BYTES), HANDSHAKE_TIMEOUT_S)
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
@@ -343,8 +350,8 @@ class VoteSocketClient:
     an idle connection or opens one (so votes from several threads, e.g. a stale one still
     waiting, do not queue behind each other) and gives it back after a clean answer."""
 
-    def __init__(self, host: str, port: int, token: str | None) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, token: str | None, instance: bytes) -> None:
+        self.host, self.port, self.instance = host, port, instance
         self._token = token
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -358,10 +365,12 @@ class VoteSocketClient:
         try:
             sock.settimeout(timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            head = _read_exact(sock, len(MAGIC) + NONCE_BYTES)
+            head = _read_exact(sock, len(MAGIC) + NONCE_BYTES + INSTANCE_BYTES)
             if head[: len(MAGIC)] != MAGIC:
-                raise VoteSocketError("not a rallypoint vote socket")
-            sock.sendall(proof(self._token, head[len(MAGIC):]))
+                raise VoteSocketError("not a rallypoint vote socket of this release")
+            if head[len(MAGIC) + NONCE_BYTES:] != self.instance:
+                raise VoteSocketError("another server's vote socket holds the port now")
+            sock.sendall(proof(self._token, head[len(MAGIC):len(MAGIC) + NONCE_BYTES]))
         except (OSError, VoteSocketError) as e:
             sock.close()
             raise VoteSocketError(f"vote socket {self.host}:{self.port}: {e}") from None
@@ -462,17 +471,29 @@ def answer_error(answer: VoteAnswer, what: str) -> Exception:
     return ConnectionError(f"{what} failed ({answer.code}): {answer.message}")
 
 
-def advertised_port(trailing: Any) -> int | None:
-    """The vote socket port a ShouldCommit answer's trailing metadata names, if valid."""
+def advertise(port: int, instance: bytes) -> str:
+    """The :data:`PORT_KEY` value a server sends: ``"<port>/<instance id in hex>"``."""
+    return f"{port}/{instance.hex()}"
+
+
+def advertised(trailing: Any) -> tuple[int, bytes] | None:
+    """The vote socket (port, instance id) a ShouldCommit answer's trailing metadata names,
+    if well-formed."""
     raw = next((v for k, v in (trailing or ()) if k == PORT_KEY), None)
     if isinstance(raw, bytes):
         raw = raw.decode("ascii", "replace")
-    if not isinstance(raw, str) or not raw.isdigit() or len(raw) > 5:
+    if not isinstance(raw, str) or len(raw) != raw.find("/") + 1 + 2 * INSTANCE_BYTES:
         return None
-    port = int(raw)
-    return port if 0 < port < 65536 else None
+    port_s, _, inst = raw.partition("/")
+    if not port_s.isdigit() or len(port_s) > 5 or not 0 < int(port_s) < 65536:
+        return None
+    try:
+        instance = bytes.fromhex(inst)
+    except ValueError:
+        return None
+    return (int(port_s), instance) if len(instance) == INSTANCE_BYTES else None
 
 
 __all__ = ["ENV", "MAX_FRAME_BYTES", "PORT_KEY", "VoteAnswer", "VoteRequest", "VoteSocketClient", "VoteSocketError",
-           "VoteSocketServer", "advertised_port", "answer_error", "enabled", "encode_frame", "frame_length",
+           "VoteSocketServer", "advertise", "advertised", "answer_error", "enabled", "encode_frame", "frame_length",
            "parse_answer", "parse_request", "proof", "proof_ok"]

@@ -30,7 +30,7 @@ from rallypoint.manager.recovery import QuorumResult
 from rallypoint.manager._next_round import NextRound
 from rallypoint.manager._result_pb import result_from_pb, result_to_pb
 from rallypoint.manager._votes import RANK_KEY_HEADER, new_rank_key
-from rallypoint.manager._vote_socket import VoteSocketClient, VoteSocketError, advertised_port, answer_error
+from rallypoint.manager._vote_socket import VoteSocketClient, VoteSocketError, advertised, answer_error
 from rallypoint._net.addr import split_host_port
 from rallypoint.manager.rules import STEP_STATS_HEADER, encode_step_stats
 
@@ -132,7 +132,7 @@ class ManagerClient:
         self._host = split_host_port(grpc_target(addr))[0]
         self._fast: VoteSocketClient | None = None
         self._fast_allowed = not addr.startswith("https://") and not tls.serving
-        self._fast_failed: int | None = None
+        self._fast_failed: tuple[int, bytes] | None = None  # (port, instance) of a socket that failed
         # Calls made without waiting for readiness fail at once (UNAVAILABLE) when the
         # peer refuses the connection: fail_fast skips this wait and relies on that.
         if not fail_fast:
@@ -279,16 +279,16 @@ class ManagerClient:
         on (not over TLS: the socket is plain TCP)."""
         if self._fast is not None or not self._fast_allowed:
             return
-        port = advertised_port(trailing)
-        if port is not None and port != self._fast_failed:
-            self._fast = VoteSocketClient(self._host, port, self._token)
+        named = advertised(trailing)
+        if named is not None and named != self._fast_failed:
+            self._fast = VoteSocketClient(self._host, named[0], self._token, named[1])
 
     def _drop_fast(self) -> None:
-        """Back to gRPC (the socket failed before a vote was sent); a server that names
-        another port later (a new group rank 0) is tried again, the failed one is not."""
+        """Back to gRPC (the socket failed before a vote was sent); a socket named later
+        with another port or instance (a new group rank 0) is tried, the failed one is not."""
         fast, self._fast = self._fast, None
         if fast is not None:
-            self._fast_failed = fast.port
+            self._fast_failed = (fast.port, fast.instance)
             fast.close()
 
     def kill(self, msg: str, timeout: float | timedelta = 10.0) -> None:
