@@ -35,7 +35,10 @@ p90 ms/step (mean of the four ranks per step), and on group 0's rank 1 the media
 uses; its wait shows in the first allreduce), and every variant's phases per step (medians
 over the four ranks). ``--profile`` also times the parts of each commit vote of ours inside
 group rank 0's server (how far apart the ranks voted, each call's way to the vote, the
-decision, the way back). Fixed cost = median minus plain's. Ratios:
+decision, the way back). And each variant's CPU per step, the four workers together, by
+kind of thread (from ``/proc/self/task``), with the share of the machine's cores they kept
+busy: where that is near 1, the machine, not a wait, sets the step. Fixed cost = median
+minus plain's. Ratios:
 ``fixed_ours_vs_ours_grpc``, ``fixed_ours_vs_ours_ask``, ``fixed_ours_vs_torchft`` (goal <= 1/3),
 ``fixed_ours_over_plain_vote`` and ``fixed_ours_over_plain_ping`` (ours against the floors),
 ``beyond_ping_ours_vs_torchft`` (what each framework costs beyond ``plain_ping``'s step) and
@@ -118,9 +121,10 @@ def _worker(plan: dict[str, Any]) -> None:
 
             manager = Manager(pg=ProcessGroupGloo(timeout=timeout), **common)
     votes = _watch_votes(manager, rank) if plan.get("profile") and variant in OURS else None
-    min_opts = dist.AllreduceOptions()
-    min_opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # torch stubs: RedOpType
-    flag = torch.ones(1)
+    if vote_pg is not None:
+        min_opts = dist.AllreduceOptions()
+        min_opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # torch stubs: RedOpType
+        flag = torch.ones(1)
     pc = time.perf_counter
 
     def step() -> list[float]:
@@ -157,10 +161,12 @@ def _worker(plan: dict[str, Any]) -> None:
 
     for _ in range(plan["warmup"]):
         step()
+    cpu0 = thread_cpu()
     samples = [step() for _ in range(plan["steps"])]
+    cpu = {k: v - cpu0.get(k, 0.0) for k, v in thread_cpu().items()}
     client = getattr(manager, "_client", None)
     taken = getattr(client, "taken", None)
-    sys.stdout.write(json.dumps({"result": {"group": group, "rank": rank, "samples": samples,
+    sys.stdout.write(json.dumps({"result": {"group": group, "rank": rank, "samples": samples, "cpu_s": cpu,
                                             "taken": taken, "votes": votes[-4 * plan["steps"]:] if votes else None}})
                      + "\n")
     sys.stdout.flush()
@@ -170,6 +176,38 @@ def _worker(plan: dict[str, Any]) -> None:
     else:
         dist.destroy_process_group()
     os._exit(0)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) each thread of this process has used so far, by kind of
+    thread: Python threads by their name without a trailing number ("rallypoint-quorum",
+    "MainThread"), native ones (gRPC's, gloo's) by their kernel name; threads of one kind
+    summed. Linux only (``/proc/self/task``); elsewhere the process's total under "all"."""
+    import re
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {"all": time.process_time()}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        secs = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        name = names.get(int(tid), comm)
+        name = re.sub(r"-group\d+-r\d+.*$", "", name)  # a rallypoint thread's replica id
+        name = re.sub(r"[-_ ]?\d+$", "", name) or comm
+        out[name] = out.get(name, 0.0) + secs
+    return out
 
 
 def _ping_link(plan: dict[str, Any], group: int, rank: int, timeout: timedelta) -> Any:
@@ -337,9 +375,25 @@ def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
     phases = {name: median([s[i] * 1e3 for results in runs for r in results for s in r["samples"]])
               for i, name in ((3, "start_quorum_ms"), (4, "compute_allreduce_ms"), (1, "should_commit_ms"),
                               (5, "optimizer_ms"))}
+    # CPU per step, all four workers together, by kind of thread (medians over the runs).
+    kinds = sorted({k for results in runs for r in results for k in r.get("cpu_s", {})})
+    cpu = {k: median([sum(r.get("cpu_s", {}).get(k, 0.0) / len(r["samples"]) for r in results) * 1e3
+                      for results in runs]) for k in kinds}
     return {"median_ms": median(total), "p90_ms": percentile(total, 90), "steps": len(total),
+            "cpu_ms": median([sum(sum(r.get("cpu_s", {}).values()) / len(r["samples"]) for r in results) * 1e3
+                              for results in runs]), "cpu_by_thread_ms": cpu,
+            "busy": median([busy_share(results) for results in runs]),
             "rank1_commit_ms": median(commit), "phases_ms": phases, "votes_ms": vote_profile(runs),
             "commit_fraction": commits / max(1, steps), "rank1_rounds_handed_out": sum(taken) if taken else None}
+
+
+def busy_share(results: list[dict[str, Any]]) -> float:
+    """How much of the machine's CPU time the four workers used while they stepped: their
+    CPU seconds over (cores x the run's timed wall time, the mean of the ranks' sums of
+    step times). Near 1, every CPU-second anything adds is a second of wall time too."""
+    wall = sum(sum(s[0] for s in r["samples"]) for r in results) / len(results)
+    cpu = sum(sum(r.get("cpu_s", {}).values()) for r in results)
+    return cpu / ((os.cpu_count() or 1) * wall) if wall > 0 else float("nan")
 
 
 def _beyond(res: dict[str, Any], variant: str, floor: str) -> float | None:
@@ -411,6 +465,12 @@ def main() -> None:
     print(table(["variant", "start_quorum", "compute + allreduces", "should_commit", "optimizer step"],
                 [[v, *(_f(d["phases_ms"][k]) for k in ("start_quorum_ms", "compute_allreduce_ms", "should_commit_ms",
                                                        "optimizer_ms"))] for v, d in res.items()]))
+    print(f"CPU per step, the four workers together (this machine has {os.cpu_count()} cores), "
+          "by kind of thread (>= 0.05 ms):")
+    for v, d in res.items():
+        parts = sorted(((ms, k) for k, ms in d["cpu_by_thread_ms"].items() if ms >= 0.05), reverse=True)
+        print(f"  {v}: {_f(d['cpu_ms'])} ({d['busy']:.0%} of the cores' time) = "
+              + ", ".join(f"{k} {_f(ms)}" for ms, k in parts))
     for v, d in res.items():
         if d.get("votes_ms"):
             vp = d["votes_ms"]

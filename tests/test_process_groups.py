@@ -383,3 +383,79 @@ def test_baby_abort_of_a_child_reaped_meanwhile_raises_nothing(master: Any) -> N
     pg.allreduce([t], ReduceOp.AVG).wait()
     assert t.tolist() == [1.0, 3.0] and pg.errored() is None
     pg.shutdown()
+
+
+# ------------------------------------------------------------------ waiting: in the backend first, then on an event
+
+
+def _later(delay_s: float, fn: Any) -> threading.Thread:
+    """Run ``fn`` on a thread after ``delay_s`` (a peer that joins the op late)."""
+    t = threading.Thread(target=lambda: (time.sleep(delay_s), fn()))
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("late_s", [0.0, 0.05])  # within the first wait in the backend; past it, on the event
+def test_a_wait_returns_the_mean_once_and_a_second_wait_returns_at_once(master: Any, late_s: float) -> None:
+    pgs = [ProcessGroupGloo(timeout=T(seconds=10)) for _ in range(2)]
+    configure_threads(pgs, addr(master))
+    a, b = torch.full((3,), 1.0), torch.full((3,), 3.0)
+    avg = AllreduceOptions()
+    avg.reduceOp = ReduceOp.AVG  # type: ignore[assignment]  # stubs: RedOpType
+    peer: list[Work] = []
+    joiner = _later(late_s, lambda: peer.append(pgs[1].allreduce([b], avg)))
+    work = pgs[0].allreduce([a], avg)
+    assert work.wait() is True
+    joiner.join(10)
+    assert peer[0].wait() is True
+    assert a.tolist() == b.tolist() == [2.0, 2.0, 2.0]  # divided once, whichever wait saw it
+    t0 = time.monotonic()
+    assert work.wait() is True and peer[0].wait() is True
+    assert time.monotonic() - t0 < 1.0  # a finished work's event is set on either path
+    assert a.tolist() == [2.0, 2.0, 2.0]
+    for p in pgs:
+        p.shutdown()
+
+
+def test_waiters_of_one_work_on_two_threads_both_see_it_finish(master: Any) -> None:
+    pgs = [ProcessGroupGloo(timeout=T(seconds=10)) for _ in range(2)]
+    configure_threads(pgs, addr(master))
+    t0, t1 = torch.ones(2), torch.ones(2)
+    work = pgs[0].allreduce([t0])
+    seen: list[bool] = []
+    other = threading.Thread(target=lambda: seen.append(work.wait()))
+    other.start()
+    joiner = _later(0.05, lambda: pgs[1].allreduce([t1]).wait())
+    assert work.wait() is True
+    other.join(10)
+    joiner.join(10)
+    assert seen == [True] and t0.tolist() == [2.0, 2.0]
+    for p in pgs:
+        p.shutdown()
+
+
+def test_an_abort_past_the_first_wait_releases_the_waiter_at_once(master: Any) -> None:
+    pgs = [ProcessGroupGloo(timeout=T(seconds=20)) for _ in range(2)]
+    configure_threads(pgs, addr(master), quorum_id=5)
+    work = pgs[0].allreduce([torch.ones(1)])  # rank 1 never joins
+    aborter = _later(0.2, pgs[0].abort)
+    t0 = time.monotonic()
+    with pytest.raises(ProcessGroupAborted):
+        work.wait()
+    assert time.monotonic() - t0 < 3.0  # not the group's 20 s timeout
+    aborter.join(10)
+    pgs[1].abort()
+
+
+def test_a_late_sender_does_not_fail_the_receivers_wait(master: Any) -> None:
+    # A send or recv has no future: it gets no short first wait in the backend (gloo
+    # fails a send or recv whose limited wait runs out), only the op's whole timeout.
+    pgs = [ProcessGroupGloo(timeout=T(seconds=10)) for _ in range(2)]
+    configure_threads(pgs, addr(master))
+    got = torch.zeros(4)
+    sender = _later(0.05, lambda: pgs[0].send([torch.arange(4.0)], 1).wait())
+    assert pgs[1].recv([got], 0).wait() is True
+    sender.join(10)
+    assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+    for p in pgs:
+        p.shutdown()

@@ -488,3 +488,32 @@ def test_a_vote_socket_that_never_answers_times_out_naming_the_vote(group: Group
         for s in held:
             s.close()
         srv.close()
+
+
+def _read_frame(sock: socket.socket) -> Any:
+    """One answer frame from a raw connection (bounded wait)."""
+    sock.settimeout(5)
+    data = b""
+    while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
+        chunk = sock.recv(4096)
+        assert chunk, "the vote socket closed before answering"
+        data += chunk
+    return vs.parse_answer(data[4:])
+
+
+def test_a_vote_undecided_in_its_time_is_answered_so_withdrawn_and_the_connection_serves_on(group: Group) -> None:
+    sock, nonce = _raw(group)  # a caller without a rank key (torchft's rules) for group rank 1
+    try:
+        sock.sendall(vs.proof(None, nonce) + vs.encode_frame({"rank": 1, "step": 4, "vote": False, "timeout_s": 0.3}))
+        answer = _read_frame(sock)  # rank 0 never votes for step 4
+        assert answer.decision is None and answer.code == "DEADLINE_EXCEEDED" and "0.3s" in answer.message
+        wait_until(lambda: 4 not in group.server._commits, timeout=10, what="the undecided vote withdrawn")
+        rank0 = group.client()
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(rank0.should_commit, 0, 5, True, 5.0)
+            sock.sendall(vs.encode_frame({"rank": 1, "step": 5, "vote": True, "timeout_s": 5}))
+            assert _read_frame(sock).decision is True  # the same connection, the next vote
+            assert fut.result(10) is True
+        assert group.socket_votes == 2
+    finally:
+        sock.close()

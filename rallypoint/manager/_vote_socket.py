@@ -299,12 +299,16 @@ class VoteSocketServer:
             writer.close()
 
     async def _one_vote(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> bool:
-        """Serve one vote; whether the connection stays open."""
+        """Serve one vote; whether the connection stays open. Lean on the loop (a vote a
+        step goes through here): the bounds are ``asyncio.timeout`` scopes, not tasks, and
+        only the vote and the watch for the client going away run as tasks."""
         try:
-            prefix = await asyncio.wait_for(reader.readexactly(_LEN.size), IDLE_TIMEOUT_S)
+            async with asyncio.timeout(IDLE_TIMEOUT_S):
+                prefix = await reader.readexactly(_LEN.size)
             n = frame_length(prefix)
-            body = await asyncio.wait_for(reader.readexactly(n), HANDSHAKE_TIMEOUT_S)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                body = await reader.readexactly(n)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             return False
         except ValueError as e:
             self._refuse(peer, str(e), writer)
@@ -316,31 +320,34 @@ class VoteSocketServer:
             self._refuse(peer, f"bad vote: {e}", writer)
             return False
         self.votes += 1
-        vote = asyncio.ensure_future(asyncio.wait_for(self._decide(req, peer), req.timeout_s))
+        vote = asyncio.ensure_future(self._decide(req, peer))
         gone = asyncio.ensure_future(reader.read(1))  # the client went away: withdraw its vote
         try:
-            await asyncio.wait({vote, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait((vote, gone), timeout=req.timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not vote.done():
-                vote.cancel()
-        if not vote.done() or vote.cancelled():
-            gone.cancel()
+                vote.cancel()  # withdraws the undecided vote (CommitVotes.vote)
+        if vote not in done and gone in done:
             return False
-        stay = not gone.done()
+        stay = gone not in done
         gone.cancel()
-        try:
-            decision, trailing = vote.result()
-            answer: dict[str, Any] = {"decision": decision, "trailing": [list(p) for p in trailing]}
-        except asyncio.TimeoutError:
-            answer = {"code": "DEADLINE_EXCEEDED", "message": f"no decision within {req.timeout_s:g}s"}
-        except Exception as e:  # noqa: BLE001 - a refusal (the server's _Failure) or a bug: told to the client
-            answer = {"code": str(getattr(e, "code", "UNKNOWN")).rsplit(".", 1)[-1][:64],
-                      "message": str(getattr(e, "message", e))[:2000]}
+        if vote not in done:
+            answer: dict[str, Any] = {"code": "DEADLINE_EXCEEDED", "message": f"no decision within {req.timeout_s:g}s"}
+        else:
+            try:
+                decision, trailing = vote.result()
+                answer = {"decision": decision, "trailing": [list(p) for p in trailing]}
+            except Exception as e:  # noqa: BLE001 - a refusal (the server's _Failure) or a bug: told to the client
+                answer = {"code": str(getattr(e, "code", "UNKNOWN")).rsplit(".", 1)[-1][:64],
+                          "message": str(getattr(e, "message", e))[:2000]}
         writer.write(encode_frame(answer))
         try:
-            await asyncio.wait_for(writer.drain(), HANDSHAKE_TIMEOUT_S)
-        except (asyncio.TimeoutError, ConnectionError):
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                await writer.drain()
+        except (TimeoutError, ConnectionError):
             return False
+        if stay:
+            await asyncio.sleep(0)  # the watch's cancellation lands before the next read starts
         return stay
 
 

@@ -158,7 +158,10 @@ class CommitVotes:
         self.decided[step] = decision
         while len(self.decided) > DECIDED_KEEP:
             del self.decided[min(self.decided)]
-        log.info("[%s] should_commit for step %d: %s (votes %s)", self.label, step, decision, dict(sorted(rnd.votes.items())))
+        if decision:  # a line per step per group: the failures are what an operator looks for
+            log.debug("[%s] should_commit for step %d: True", self.label, step)
+        else:
+            log.info("[%s] should_commit for step %d: False (votes %s)", self.label, step, dict(sorted(rnd.votes.items())))
         if self._on_decided is not None:
             self._on_decided(step, decision)
         rnd.decision.set_result(decision)

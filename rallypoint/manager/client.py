@@ -305,7 +305,10 @@ class ManagerClient:
         return translate_rpc_error(e, f"{what} at manager {self.addr}", timeout)
 
     def close(self) -> None:
-        self._drop_fast()
+        """Close the vote socket's connections and the gRPC channel."""
+        fast, self._fast = self._fast, None
+        if fast is not None:
+            fast.close()
         self._channel.close()
 
     def __enter__(self) -> "ManagerClient":

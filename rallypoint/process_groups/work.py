@@ -111,6 +111,14 @@ class FailedWork(Work):
         return fut
 
 
+#: How long ``OpWork.wait`` first waits in the backend's own ``wait`` before it waits on an
+#: event that the op's completion or an abort sets. Most small collectives end within it,
+#: and then no thread hands off: the event path needs a Python callback on gloo's thread,
+#: which must take the GIL and wake the waiter (~0.2 ms a collective on a busy 2-core
+#: machine). An abort during this first wait is noticed when it ends.
+BACKEND_FIRST_WAIT = timedelta(milliseconds=5)
+
+
 class OpWork(Work):
     """Wraps a backend Work: bounded wait, contextual errors, one-time finishing step.
 
@@ -186,11 +194,20 @@ class OpWork(Work):
             watch, self._watched = not self._watched, True
         if watch:
             # Wait on an event that the backend's completion *or* an abort sets. Some
-            # gloo works (send/recv, barrier) have no future: those wait in the backend.
+            # gloo works (send/recv, barrier) have no future: those wait in the backend
+            # for the whole timeout (no short first wait: gloo fails a send or recv whose
+            # limited wait runs out).
             try:
-                self._inner.get_future().add_done_callback(lambda _f: self._done.set())
+                fut = self._inner.get_future()
             except RuntimeError:
                 self._done.set()
+            else:
+                # Not for a wait shorter than that: gloo takes a limit in whole
+                # milliseconds, and 0 ms would mean none.
+                if t >= BACKEND_FIRST_WAIT and self._waited_in_backend(BACKEND_FIRST_WAIT, t):
+                    self._finish_once()
+                    return True
+                fut.add_done_callback(lambda _f: self._done.set())
         if not self._done.wait(t.total_seconds()):
             raise self._fail(TimeoutError(f"no completion within {t.total_seconds():g}s"), t)
         if self._error is not None:
@@ -201,6 +218,23 @@ class OpWork(Work):
             raise self._fail(e, t) from e
         self._finish_once()
         return True
+
+    def _waited_in_backend(self, limit: timedelta, timeout: timedelta) -> bool:
+        """Wait up to ``limit`` in the backend itself: True when the op succeeded within it.
+        Raises the op's own failure; False when it is still running (or an abort came
+        meanwhile): then ``wait`` goes on with the event an abort also sets."""
+        try:
+            self._inner.wait(limit)
+        except Exception:  # noqa: BLE001 - the limit's end ("Operation timed out!"), or the op's own failure
+            if not self._inner.is_completed():
+                return False  # the op runs on, nothing is marked failed
+            self._done.set()  # any other waiter reads the outcome from the completed work
+            try:  # it ended meanwhile: a completed work returns at once or raises its own failure
+                self._inner.wait(limit)
+            except Exception as e:  # noqa: BLE001 - every backend failure becomes a ProcessGroupError
+                raise self._fail(e, timeout) from e
+        self._done.set()
+        return self._error is None
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
