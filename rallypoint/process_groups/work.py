@@ -192,6 +192,7 @@ class OpWork(Work):
             raise self._error
         with self._lock:
             watch, self._watched = not self._watched, True
+        left = t.total_seconds()
         if watch:
             # Wait on an event that the backend's completion *or* an abort sets. Some
             # gloo works (send/recv, barrier) have no future: those wait in the backend
@@ -204,11 +205,13 @@ class OpWork(Work):
             else:
                 # Not for a wait shorter than that: gloo takes a limit in whole
                 # milliseconds, and 0 ms would mean none.
-                if t >= BACKEND_FIRST_WAIT and self._waited_in_backend(BACKEND_FIRST_WAIT, t):
-                    self._finish_once()
-                    return True
+                if t >= BACKEND_FIRST_WAIT:
+                    if self._waited_in_backend(BACKEND_FIRST_WAIT, t):
+                        self._finish_once()
+                        return True
+                    left -= BACKEND_FIRST_WAIT.total_seconds()  # the whole wait stays within t
                 fut.add_done_callback(lambda _f: self._done.set())
-        if not self._done.wait(t.total_seconds()):
+        if not self._done.wait(left):
             raise self._fail(TimeoutError(f"no completion within {t.total_seconds():g}s"), t)
         if self._error is not None:
             raise self._error
