@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _util  # noqa: E402
 from _util import Child, close_all, fmt_ms, fmt_ratio, median, percentile, ratio, table  # noqa: E402
+from rallypoint.transports._http_util import usable_cpus  # noqa: E402
 
 VARIANTS = ("plain", "plain_vote", "plain_ping", "ours", "ours_grpc", "ours_ask", "torchft")
 OURS = ("ours", "ours_grpc", "ours_ask")
@@ -389,11 +390,11 @@ def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 def busy_share(results: list[dict[str, Any]]) -> float:
     """How much of the machine's CPU time the four workers used while they stepped: their
-    CPU seconds over (cores x the run's timed wall time, the mean of the ranks' sums of
+    CPU seconds over (the cores this process may use x the run's timed wall time, the mean of the ranks' sums of
     step times). Near 1, every CPU-second anything adds is a second of wall time too."""
     wall = sum(sum(s[0] for s in r["samples"]) for r in results) / len(results)
     cpu = sum(sum(r.get("cpu_s", {}).values()) for r in results)
-    return cpu / ((os.cpu_count() or 1) * wall) if wall > 0 else float("nan")
+    return cpu / (usable_cpus() * wall) if wall > 0 else float("nan")
 
 
 def _beyond(res: dict[str, Any], variant: str, floor: str) -> float | None:
@@ -465,7 +466,7 @@ def main() -> None:
     print(table(["variant", "start_quorum", "compute + allreduces", "should_commit", "optimizer step"],
                 [[v, *(_f(d["phases_ms"][k]) for k in ("start_quorum_ms", "compute_allreduce_ms", "should_commit_ms",
                                                        "optimizer_ms"))] for v, d in res.items()]))
-    print(f"CPU per step, the four workers together (this machine has {os.cpu_count()} cores), "
+    print(f"CPU per step, the four workers together (this process may use {usable_cpus()} cores), "
           "by kind of thread (>= 0.05 ms):")
     for v, d in res.items():
         parts = sorted(((ms, k) for k, ms in d["cpu_by_thread_ms"].items() if ms >= 0.05), reverse=True)

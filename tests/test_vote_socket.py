@@ -517,3 +517,38 @@ def test_a_vote_undecided_in_its_time_is_answered_so_withdrawn_and_the_connectio
         assert group.socket_votes == 2
     finally:
         sock.close()
+
+
+def test_a_connection_cancelled_mid_vote_leaves_no_task_behind() -> None:
+    """The server's loop cancels a connection's task (the loop shuts down) while its vote
+    waits: the vote is withdrawn and the watch for the client going away ends with it."""
+    import asyncio
+
+    started = threading.Event()
+
+    async def never(req: Any, peer: str) -> tuple[bool, list[tuple[str, str]]]:
+        started.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def scenario() -> list[asyncio.Task[Any]]:
+        async with asyncio.timeout(10):
+            return await cancelled_mid_vote()
+
+    async def cancelled_mid_vote() -> list[asyncio.Task[Any]]:
+        server = vs.VoteSocketServer(None, never, "test")
+        reader = asyncio.StreamReader()
+        reader.feed_data(vs.encode_frame({"rank": 1, "step": 3, "vote": True, "timeout_s": 60}))
+        task = asyncio.ensure_future(server._one_vote(reader, None, "peer"))  # type: ignore[arg-type]
+        for _ in range(100):
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert started.is_set(), "the vote never reached decide"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+
+    assert asyncio.run(scenario()) == []

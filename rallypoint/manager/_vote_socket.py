@@ -324,6 +324,9 @@ class VoteSocketServer:
         gone = asyncio.ensure_future(reader.read(1))  # the client went away: withdraw its vote
         try:
             done, _ = await asyncio.wait((vote, gone), timeout=req.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this connection's task was cancelled (the server stops): no watch left behind
+            gone.cancel()
+            raise
         finally:
             if not vote.done():
                 vote.cancel()  # withdraws the undecided vote (CommitVotes.vote)

@@ -15,8 +15,10 @@ decisions in ``nodes.py``.
   store and reads the others', and ``plan_round`` says where it stands. The result is
   posted to the supervisor's event queue: ``("round", plan)`` or ``("round_error",
   message, exit_code)``.
-- While an incarnation runs (``watch``), a thread beats every ``BEAT_S`` in the round's
-  store and reads the other nodes' beats: a node that ended the incarnation (a rank failed
+- From the moment a round forms until the incarnation ends here (``watch``; started by
+  the round's join thread, so a node whose ranks take seconds to start is not taken for
+  a lost one), a thread beats every ``BEAT_S`` in the round's store and reads the other
+  nodes' beats: a node that ended the incarnation (a rank failed
   or hung there) says so at once (``ended``), a node that finished says ``done``, and a
   node whose beat stopped for ``lost_after_s`` (its host is gone) is lost; torch's own
   signal, a node waiting for the next round, is looked at too. Any of these posts
@@ -124,6 +126,7 @@ class NodeRendezvous:
         self._round_store: Any = None
         self._plan: RoundPlan | None = None
         self._watching: threading.Event | None = None
+        self._watched: RoundPlan | None = None  # the round being watched
         self._lock = threading.Lock()
         self._raw_store: Any = None  # c10d: the rendezvous store itself (for the announcements)
         self.is_host = False
@@ -231,8 +234,15 @@ class NodeRendezvous:
                 plan = plan_round(infos, me)
                 with self._lock:
                     self._round_store, self._plan = store, plan
+                # Beat from now on (starting this node's ranks may take seconds), but post
+                # nothing before the round itself is posted.
+                posted = threading.Event()
+                self._start_watch(posted)
                 _JOINED.set()
-                self._post("round", plan)
+                try:
+                    self._post("round", plan)
+                finally:
+                    posted.set()
                 return
         except NodeError as e:
             self._post("round_error", str(e), e.code)
@@ -282,29 +292,41 @@ class NodeRendezvous:
 
     # --- while the ranks run -----------------------------------------------------------
     def watch(self) -> None:
-        """Beat and watch the other nodes of the current round (see the module docstring)."""
-        self.stop_watch()
+        """Beat and watch the other nodes of the current round (see the module docstring).
+        The round's own join thread starts this as soon as the round formed, before this
+        node's ranks start (waiting for the zygote, forking: seconds on a loaded host), so
+        the other nodes never take a node that is still starting for a lost one; the
+        supervisor's call once the ranks run finds it watching and leaves it so."""
+        self._start_watch(None)
+
+    def _start_watch(self, posted: threading.Event | None) -> None:
         with self._lock:
             store, plan = self._round_store, self._plan
-        if store is None or plan is None:
-            return
-        stop = threading.Event()
-        self._watching = stop
-        threading.Thread(target=self._watch, args=(store, plan, stop), name="rendezvous watch", daemon=True).start()
+            if store is None or plan is None or (self._watching is not None and self._watched is plan):
+                return
+            if self._watching is not None:
+                self._watching.set()
+            stop = threading.Event()
+            self._watching, self._watched = stop, plan
+        threading.Thread(target=self._watch, args=(store, plan, stop, posted), name="rendezvous watch",
+                         daemon=True).start()
 
     def stop_watch(self) -> None:
         """Stop beating (the incarnation ended here)."""
-        if self._watching is not None:
-            self._watching.set()
-            self._watching = None
+        with self._lock:
+            if self._watching is not None:
+                self._watching.set()
+            self._watching, self._watched = None, None
 
     def _lost_after_s(self) -> float:
         c = self.cfg.conf
         return float(c.get("keep_alive_interval", KEEP_ALIVE_S)) * float(c.get("keep_alive_max_attempt",
                                                                                   KEEP_ALIVE_ATTEMPTS))
 
-    def _watch(self, store: Any, plan: RoundPlan, stop: threading.Event) -> None:
+    def _watch(self, store: Any, plan: RoundPlan, stop: threading.Event, posted: threading.Event | None) -> None:
         me, n = plan.group_rank, plan.nnodes
+        if posted is not None:  # the round is posted at once after this thread starts
+            posted.wait(EXCHANGE_TIMEOUT_S)
         lost_after = self._lost_after_s()
         seen: list[tuple[bytes | None, float]] = [(None, time.monotonic())] * n
         next_waiting = time.monotonic() + WAITING_POLL_S

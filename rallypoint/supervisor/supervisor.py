@@ -271,7 +271,8 @@ class Supervisor(RankStopping):
                  cfg.rdzv_timeout_s)
         while True:
             early, self._round_events = self._round_events, []
-            for ev in early or self._wake.wait(None):
+            batch = early or self._wake.wait(None)
+            for i, ev in enumerate(batch):
                 if ev[0] not in ("round", "round_error"):
                     self._other_event(ev)
                 if ev[0] == "signal":
@@ -293,6 +294,8 @@ class Supervisor(RankStopping):
                     log.info("%s: the group's nodes met: incarnation %d, ranks %d..%d of %d, store %s:%d",
                              self._name, plan.incarnation, plan.global_rank(0), plan.global_rank(cfg.nproc - 1),
                              plan.world_size, plan.master_addr, plan.master_port)
+                    for later in batch[i + 1:]:  # this round's watch may have posted already: keep it
+                        self._wake.post(*later)
                     return plan
 
     def _join(self, last: int) -> None:
