@@ -145,7 +145,8 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
             if committed:
                 opt.step()
             history.append([m.current_step(), participants, int(committed)])
-            _write(out, m, model, history, buckets=ddp.buckets_reduced, early_exchanges=m._guard.early_exchanges)
+            _write(out, m, model, history, buckets=ddp.buckets_reduced, early_exchanges=m._guard.early_exchanges,
+                   late_exchanges=m._guard.late_exchanges)
             time.sleep(delay)  # paces the replicas so they overlap; not a wait for an event
     finally:
         ddp.shutdown()

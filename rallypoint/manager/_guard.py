@@ -87,6 +87,7 @@ class SdcGuard:
         self._warned_no_params = False
         self._early: _Early | None = None  # this round's exchange, posted behind its last gradient bucket
         self.early_exchanges = 0  # rounds whose exchange rode behind the gradients (tests, logs)
+        self.late_exchanges = 0  # rounds whose exchange should_commit posted itself (tests, logs)
 
     @classmethod
     def from_settings(cls, grad_check: bool | None, check_every: int | None, log: logging.LoggerAdapter) -> "SdcGuard":
@@ -224,6 +225,7 @@ class SdcGuard:
             values, do_hash, step, pending = early.values, early.do_hash, early.step, early.pending
         else:
             values, do_hash, step, grads = self._row(q, state_ok)
+            self.late_exchanges += 1
             pending = self._post(pg, q, values, grads, post, replica_id)
         rows = pending.wait(timeout)
         done: dict[str, Any] = {"sdc_checked": ["grad"] + (["param"] if do_hash else [])}
