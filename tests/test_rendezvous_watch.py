@@ -7,12 +7,15 @@ started still restarts that other node, once."""
 
 from __future__ import annotations
 
+import os
 import queue
+import threading
 import time
 from typing import Any
 
 import pytest
 
+from rallypoint.supervisor import _rendezvous
 from rallypoint.supervisor._rendezvous import NodeRendezvous, RdzvConfig
 from rallypoint.supervisor.nodes import NodeInfo
 
@@ -38,7 +41,19 @@ class Node:
 
 
 @pytest.fixture
-def nodes(request: pytest.FixtureRequest) -> Any:
+def nodes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Two nodes meeting in this process. ``NodeRendezvous`` sets two environment variables
+    and shortens torch's rendezvous poll for its whole process (a supervisor hosts nothing
+    else); here all three are restored afterwards, or later tests that start torchrun would
+    inherit ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and find no store at MASTER_PORT."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL"))
+    monkeypatch.setattr(dr, "_delay", dr._delay)
+    monkeypatch.setattr(dr, "_rallypoint_original_delay", getattr(dr, "_rallypoint_original_delay", None),
+                        raising=False)
+    monkeypatch.setattr(_rendezvous, "_JOINED", threading.Event())
     made: list[Node] = []
 
     def meet() -> tuple[Node, Node]:
