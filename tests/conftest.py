@@ -137,6 +137,35 @@ def assert_one_quorum(answers: dict[str, Quorum], members: list[str]) -> Quorum:
 # ----------------------------------------------------------------------- in-process
 
 
+#: Variables torch sets in its own process the first time it needs them (inductor's cache
+#: directory, computed once, e.g. by a torch.distributed.checkpoint load): not a test's leak.
+_SET_BY_TORCH = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KMP_DUPLICATE_LIB_OK",
+                           "CUBLAS_WORKSPACE_CONFIG"})
+
+
+@pytest.fixture(autouse=True)
+def _environment_unchanged() -> Iterator[None]:
+    """Every test leaves ``os.environ`` as it found it: a variable one test leaves behind
+    reaches every process a later test starts (a leaked rendezvous setting once made a
+    later torchrun's agent keep its store to itself). Runs after the test's own fixtures
+    (``monkeypatch``) are undone; what is still changed is put back and fails the test,
+    naming the variables."""
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)
+                     and k != "PYTEST_CURRENT_TEST"  # pytest's own, per phase
+                     and not (k in _SET_BY_TORCH and k not in before))
+    if not changed:
+        return
+    for k in changed:
+        if k in before:
+            os.environ[k] = before[k]
+        else:
+            del os.environ[k]
+    pytest.fail(f"the test left the environment changed: {', '.join(changed)} (restored)", pytrace=False)
+
+
 @pytest.fixture
 def closers() -> Iterator[list[Callable[[], None]]]:
     """Cleanups of clients and channels, run after the lighthouses stopped: a gRPC

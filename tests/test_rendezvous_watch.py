@@ -30,6 +30,7 @@ class Node:
         conf = {"is_host": "1" if node_rank == 0 else "0", "keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
         self.rdzv = NodeRendezvous(RdzvConfig("c10d", endpoint, run_id, 2, 30.0, "127.0.0.1", conf),
                                    lambda *ev: self.events.put(ev))
+        self.plan: Any = None  # the round's plan, once met
         self.info = NodeInfo(nnodes=2, nproc=1, node_rank=node_rank, addr="127.0.0.1", store_port=1000 + node_rank,
                              last_incarnation=-1, hostname="test")
 
@@ -70,6 +71,7 @@ def nodes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> An
         for n in (a, b):
             ev = n.next_event(30)
             assert ev is not None and ev[0] == "round", ev
+            n.plan = ev[1]
         return a, b
 
     yield meet
@@ -91,7 +93,7 @@ def test_an_incarnation_ended_before_the_other_node_started_restarts_it_once(nod
     a.rdzv.watch()
     a.rdzv.end("node 0 rank 0 failed (exit 1)")  # before node 1's supervisor even started its ranks
     ev = b.next_event(10)
-    assert ev == ("peer", "node 0 rank 0 failed (exit 1)"), ev
+    assert ev == ("peer", "node 0 rank 0 failed (exit 1)", b.plan.incarnation), ev  # names its round
     b.rdzv.watch()  # the supervisor's own call once its ranks run: no second restart
     assert b.next_event(1.0) is None
 

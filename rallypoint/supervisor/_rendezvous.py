@@ -22,7 +22,8 @@ decisions in ``nodes.py``.
   or hung there) says so at once (``ended``), a node that finished says ``done``, and a
   node whose beat stopped for ``lost_after_s`` (its host is gone) is lost; torch's own
   signal, a node waiting for the next round, is looked at too. Any of these posts
-  ``("peer", reason)`` once and the supervisor restarts the group on this node too.
+  ``("peer", reason, incarnation)`` once and the supervisor restarts the group on this node
+  too (a peer event of an incarnation that already ended here is ignored).
 - torch polls the rendezvous state once a second while it waits for the other nodes (a
   constant in its join loop); a restart should not wait for that, so this module shortens
   that poll to ``sync_interval`` (``--rdzv-conf sync_interval=S``, 0.02 s by default) in
@@ -337,7 +338,7 @@ class NodeRendezvous:
                     if not stop.is_set():
                         why = store.get(f"{PREFIX}ended_by").decode(errors="replace")[:300] \
                             if store.check([f"{PREFIX}ended_by"]) else "another node"
-                        self._post("peer", why)
+                        self._post("peer", why, plan.incarnation)
                     return
                 done = [store.add(f"{PREFIX}done/{g}", 0) > 0 for g in range(n)]
                 beats = [str(store.add(f"{PREFIX}beat/{g}", 0)).encode() for g in range(n)]
@@ -345,18 +346,18 @@ class NodeRendezvous:
                 lost = [g for g in lost if not done[g]]
                 if lost and not stop.is_set():
                     self._post("peer", f"node {lost[0]} of the group stopped beating for {lost_after:g}s "
-                                       "(its host or supervisor is gone)")
+                                       "(its host or supervisor is gone)", plan.incarnation)
                     return
                 if time.monotonic() >= next_waiting:
                     next_waiting = time.monotonic() + WAITING_POLL_S
                     if self._handler.num_nodes_waiting() > 0 and not stop.is_set():
-                        self._post("peer", "a node is waiting for the next round of the rendezvous")
+                        self._post("peer", "a node is waiting for the next round of the rendezvous", plan.incarnation)
                         return
                 stop.wait(BEAT_S)
         except Exception as e:  # noqa: BLE001 - the rendezvous store went away with its host
             if not stop.is_set():
                 self._post("peer", f"the rendezvous store is unreachable ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+                                   f"{str(e).splitlines()[0][:200] if str(e) else ''})", plan.incarnation)
 
     def end(self, reason: str) -> None:
         """This node's incarnation ended (a rank failed or hung here): tell the others at
