@@ -119,6 +119,7 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
     ddp = DistributedDataParallel(hook_manager, model, bucket_cap_mb=0.001)
     gen = torch.Generator().manual_seed(1000 + seed)
     history: list[list[int]] = []
+    rode: list[int] = []
     t0 = time.monotonic()
     delay = float(opts.get("delay", 0.05))
     rc = 0
@@ -129,6 +130,7 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
             if time.monotonic() - t0 > LIMIT_S:
                 rc = 3
                 break
+            early0 = m._guard.early_exchanges  # posted during backward, behind the last bucket
             m.start_quorum()
             x = torch.randn(8, 16, generator=gen)
             y = torch.randn(8, 4, generator=gen)
@@ -145,8 +147,9 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
             if committed:
                 opt.step()
             history.append([m.current_step(), participants, int(committed)])
+            rode.append(m._guard.early_exchanges - early0)  # this round's exchange rode behind the gradients
             _write(out, m, model, history, buckets=ddp.buckets_reduced, early_exchanges=m._guard.early_exchanges,
-                   late_exchanges=m._guard.late_exchanges)
+                   late_exchanges=m._guard.late_exchanges, rode=rode)
             time.sleep(delay)  # paces the replicas so they overlap; not a wait for an event
     finally:
         ddp.shutdown()
