@@ -131,6 +131,51 @@ def torchft_version() -> str:
         return "unknown"
 
 
+def _task_files(name: str) -> dict[int, str]:
+    """``/proc/self/task/<tid>/<name>`` of every thread of this process, by thread id (a
+    thread that ended meanwhile is left out; empty where there is no ``/proc``)."""
+    out: dict[int, str] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/{name}") as f:
+                out[int(tid)] = f.read()
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def thread_cpu_ns() -> dict[int, int]:
+    """Nanoseconds of CPU each thread of this process has run so far, by thread id, from
+    ``/proc/self/task/<tid>/schedstat`` (the scheduler's own clock, so a per-step delta is
+    exact, unlike ``stat``'s clock ticks). Empty where there is no such file (not Linux, or
+    a kernel without schedstats): callers then report nothing per thread."""
+    out: dict[int, int] = {}
+    for tid, text in _task_files("schedstat").items():
+        fields = text.split()
+        if fields and fields[0].isdigit():
+            out[tid] = int(fields[0])
+    return out
+
+
+def thread_kinds() -> dict[int, str]:
+    """Each live thread's kind, by thread id: a Python thread's name without its trailing
+    number or replica id ("MainThread", "rallypoint-ddp-wait"), a native thread's kernel
+    name (gloo's "pt_gloo_runloop", "gloo_tcp_loop"; gRPC's "event_engine")."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[int, str] = {}
+    for tid, comm in _task_files("comm").items():
+        comm = comm.strip()
+        name = names.get(tid, comm)
+        name = re.sub(r"-replica.*$", "", name)  # a rallypoint thread's replica id
+        name = re.sub(r"^Thread-\d+ \((\w+)\)$", r"python thread (\1)", name)
+        out[tid] = re.sub(r"[-_ ]?\d+$", "", name) or comm
+    return out
+
+
 def percentile(values: Sequence[float], p: float) -> float:
     """Nearest-rank percentile (p in [0, 100]); with few samples p99 is the max."""
     if not values:

@@ -10,10 +10,14 @@ both groups, rotated every round so each mode sees the same load:
 
 - ``off``: no checks (``sdc_check=False``, ``sdc_check_every=0``);
 - ``ride``: the gradient-norm check every step and the parameter hash every
-  ``--check-every`` committed steps, the rows' exchange posted right behind the last
-  gradient bucket (``Manager.gradients_posted``, what the DDP wrapper does);
+  ``--check-every`` committed steps, the rows riding in the last gradient bucket's own
+  collective (``Manager.allreduce_last``, what the DDP wrapper does: no collective of
+  their own);
+- ``behind``: the same checks with the rows' exchange a collective of its own, posted
+  right behind the last gradient bucket (``Manager.gradients_posted``; the DDP wrapper's
+  way before the ride, and still its way for bf16/fp16 gradients);
 - ``commit``: the same checks with the exchange posted in ``should_commit`` (what a loop
-  without rallypoint's DDP gets): the extra round trip the ride removes.
+  without rallypoint's DDP gets): the extra round trip the other two remove.
 
 The mode is switched by setting the manager's guard attributes between steps (a bench
 only; a job sets ``sdc_check``/``sdc_check_every`` once). Marginal cost of a mode = the
@@ -43,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _util  # noqa: E402
 from _util import Child, close_all, median, percentile, ratio, table  # noqa: E402
 
-MODES = ("off", "ride", "commit")
+MODES = ("off", "ride", "behind", "commit")
+CHECKED = MODES[1:]
 #: A step's phases, as the worker times them.
 PHASES = ("start_quorum + forward", "backward (DDP's hook: the norms)", "should_commit", "optimizer step")
 REPO = Path(__file__).resolve().parent.parent
@@ -83,7 +88,7 @@ def _worker(plan: dict[str, Any]) -> None:
                 sdc_check=True, sdc_check_every=plan["check_every"])
     ddp = DistributedDataParallel(m, model)
     guard, averager = m._guard, ddp._averager
-    posted = averager._posted
+    posted, last = averager._posted, averager._last
     # The profile: the guard's own calls timed where they run (the norms on DDP's helper
     # thread, the exchange's posting behind the last bucket, the check in should_commit),
     # summed per step of each mode.
@@ -102,21 +107,29 @@ def _worker(plan: dict[str, Any]) -> None:
 
     guard.observe = timed("observe", guard.observe)
     guard.post_early = timed("post", guard.post_early)
+    guard.post_riding = timed("post", guard.post_riding)
     guard.check = timed("check", guard.check)
 
     def set_mode(mode: str) -> None:
         mode_now[0] = mode
         guard.grad_check = mode != "off"
         guard.check_every = 0 if mode == "off" else plan["check_every"]
-        averager._posted = posted if mode == "ride" else None
+        averager._posted = posted if mode in ("ride", "behind") else None
+        averager._last = last if mode == "ride" else None
 
     # Each step's phases, per mode: where a mode's extra time shows (the checks' own calls
     # are timed above; a phase can also slow down by what they leave behind, e.g. the cache).
     phases: dict[str, dict[str, list[float]]] = {mode: {ph: [] for ph in PHASES} for mode in MODES}
+    # --thread-cpu: each thread's CPU per step of each mode (training thread, gloo's, DDP's
+    # helpers): where a mode's extra CPU goes, including threads the timers above miss.
+    cpu_ns: dict[str, dict[int, int]] = {mode: {} for mode in MODES}
+    cpu_steps = {mode: 0 for mode in MODES}
+    sample_cpu = bool(plan.get("thread_cpu"))
 
     def step() -> float:
         for part in acc:
             acc[part] = 0.0
+        before = _util.thread_cpu_ns() if sample_cpu else {}
         t0 = time.perf_counter()
         m.start_quorum()
         opt.zero_grad()
@@ -129,6 +142,10 @@ def _worker(plan: dict[str, Any]) -> None:
         if ok:
             opt.step()
         t4 = time.perf_counter()
+        if sample_cpu:
+            per, cpu_steps[mode_now[0]] = cpu_ns[mode_now[0]], cpu_steps[mode_now[0]] + 1
+            for tid, ns in _util.thread_cpu_ns().items():
+                per[tid] = per.get(tid, 0) + ns - before.get(tid, ns)
         for part, v in acc.items():
             spent[mode_now[0]][part].append(v)
         for ph, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
@@ -141,8 +158,11 @@ def _worker(plan: dict[str, Any]) -> None:
     for parts in (*spent.values(), *phases.values()):
         for v in parts.values():
             v.clear()
+    for mode in MODES:
+        cpu_ns[mode].clear()
+        cpu_steps[mode] = 0
     samples: dict[str, list[float]] = {mode: [] for mode in MODES}
-    early0, commits0 = guard.early_exchanges, m.current_step()
+    early0, riding0, commits0 = guard.early_exchanges, guard.riding_exchanges, m.current_step()
     for r in range(plan["rounds"]):
         order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
         for _ in range(plan["per_round"]):
@@ -176,9 +196,17 @@ def _worker(plan: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         torch.dot(flat, flat)
         hot.append(time.perf_counter() - t0)
-    _out({"result": {"rank": rank, "samples": samples, "param_hash_s": median(hashes),
+    kinds = _util.thread_kinds()
+    thread_ms: dict[str, dict[str, float]] = {mode: {} for mode in MODES}
+    for mode in MODES:
+        for tid, ns in cpu_ns[mode].items():
+            kind = kinds.get(tid, "ended threads")
+            thread_ms[mode][kind] = thread_ms[mode].get(kind, 0.0) + ns / 1e6 / max(cpu_steps[mode], 1)
+    _out({"result": {"rank": rank, "samples": samples, "thread_cpu_ms": thread_ms if sample_cpu else None,
+                     "param_hash_s": median(hashes),
                      "norm_cold_s": median(cold), "norm_hot_s": median(hot),
-                     "early_exchanges": guard.early_exchanges - early0, "committed": m.current_step() - commits0,
+                     "early_exchanges": guard.early_exchanges - early0,
+                     "riding_exchanges": guard.riding_exchanges - riding0, "committed": m.current_step() - commits0,
                      "steps": sum(len(v) for v in samples.values()),
                      "parts_s": {mode: {part: median(v) for part, v in parts.items() if v}
                                  for mode, parts in spent.items()},
@@ -191,6 +219,16 @@ def _worker(plan: dict[str, Any]) -> None:
     os._exit(0)
 
 
+def _thread_table(results: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
+    """Each kind of thread's CPU per step of each mode, the mean of the workers (threads of
+    one kind summed in a worker); None when not sampled."""
+    per = [r["thread_cpu_ms"] for r in results if r.get("thread_cpu_ms")]
+    if not per:
+        return None
+    return {mode: {kind: sum(p[mode].get(kind, 0.0) for p in per) / len(per)
+                   for kind in set().union(*(p[mode].keys() for p in per))} for mode in MODES}
+
+
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         _worker(json.loads(sys.argv[2]))
@@ -201,12 +239,15 @@ def main() -> int:
     ap.add_argument("--per-round", type=int, default=10, help="steps of each mode per round (default 10)")
     ap.add_argument("--check-every", type=int, default=100, help="sdc_check_every (default 100)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds the workers may take")
+    ap.add_argument("--thread-cpu", action="store_true",
+                    help="also each thread's CPU per step of each mode (reads /proc per step: adds ~0.1 ms to every "
+                         "mode alike)")
     ap.add_argument("--out", help="also write the JSON line to this file")
     args = ap.parse_args()
     from rallypoint.lighthouse.server import LighthouseServer
 
     plan = {"rounds": args.rounds or (3 if args.quick else 12), "per_round": args.per_round, "warmup": 15,
-            "check_every": args.check_every, "op_timeout_s": 30.0}
+            "check_every": args.check_every, "op_timeout_s": 30.0, "thread_cpu": args.thread_cpu}
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000, heartbeat_timeout_ms=5000)
     port = int(lh.address().rsplit(":", 1)[1])
     env = dict(os.environ)
@@ -242,13 +283,14 @@ def main() -> int:
     p90 = {mode: percentile(v, 90) for mode, v in steps.items()}
     per = plan["per_round"]
     marginal = {mode: median([median(steps[mode][i:i + per]) - median(steps["off"][i:i + per])
-                              for i in range(0, len(steps["off"]), per)]) for mode in ("ride", "commit")}
+                              for i in range(0, len(steps["off"]), per)]) for mode in CHECKED}
     hash_ms = max(r["param_hash_s"] for r in results) * 1e3
     norm_cold_ms = median([r["norm_cold_s"] for r in results]) * 1e3
     norm_hot_ms = median([r["norm_hot_s"] for r in results]) * 1e3
     off = med["off"]
     ratios: dict[str, float | None] = {
         "ride_marginal_vs_off": ratio(marginal["ride"], off),
+        "behind_marginal_vs_off": ratio(marginal["behind"], off),
         "commit_marginal_vs_off": ratio(marginal["commit"], off),
         "param_hash_vs_off": ratio(hash_ms, off),
         "norm_pass_cold_vs_off": ratio(norm_cold_ms, off),
@@ -259,16 +301,19 @@ def main() -> int:
     }
     # Where the ride's time goes (medians per step, mean of the two workers).
     parts = {mode: {part: sum(r["parts_s"][mode].get(part, 0.0) for r in results) / len(results) * 1e3
-                    for part in ("observe", "post", "check")} for mode in ("ride", "commit")}
+                    for part in ("observe", "post", "check")} for mode in CHECKED}
     exchange_ms = median([r["exchange_alone_s"] for r in results]) * 1e3
     phase_ms = {mode: {ph: sum(r["phases_s"][mode][ph] for r in results) / len(results) * 1e3 for ph in PHASES}
                 for mode in MODES}
+    thread_ms = _thread_table(results)
     goal_key = f"checks_every_{args.check_every}_ride_vs_off"
     goal = ratios[goal_key]
     out = {"plan": plan, "median_ms": med, "p90_ms": p90, "marginal_ms": marginal, "param_hash_ms": hash_ms,
            "norm_pass_ms": {"cold": norm_cold_ms, "hot": norm_hot_ms},
-           "early_exchanges": [r["early_exchanges"] for r in results], "committed": [r["committed"] for r in results],
-           "steps": [r["steps"] for r in results], "parts_ms": parts, "exchange_alone_ms": exchange_ms, "phases_ms": phase_ms,
+           "early_exchanges": [r["early_exchanges"] for r in results],
+           "riding_exchanges": [r["riding_exchanges"] for r in results], "committed": [r["committed"] for r in results],
+           "steps": [r["steps"] for r in results], "thread_cpu_ms": thread_ms, "parts_ms": parts,
+           "exchange_alone_ms": exchange_ms, "phases_ms": phase_ms,
            "goals": {goal_key: goal is not None and goal <= 0.02}}
     print(f"SDC checks in a real step: Manager + rallypoint DDP, MLP 1,312,768 params, batch 32x512, SGD, 1 torch "
           f"thread, 2 replica groups on gloo loopback; {plan['rounds']} rounds x {per} steps per mode, rotated; "
@@ -286,16 +331,30 @@ def main() -> int:
     print(table(["ride: where the time goes (per step)", "ms", "% of off"], [
         [name, f"{v:.3f}", f"{v / off * 100:.2f}%"] for name, v in (
             ("norms of the buckets (comm hook, backward pass)", ride["observe"]),
-            ("the row and posting the exchange", ride["post"]),
+            ("the row, the bucket's staging copy, posting both", ride["post"]),
+            ("the row and posting the exchange (behind mode)", parts["behind"]["post"]),
             ("should_commit's check (wait + verdict)", ride["check"]),
+            ("should_commit's check, behind mode", parts["behind"]["check"]),
             ("the exchange alone, between steps", exchange_ms))]))
     print(table(["phase (medians, mean of the two workers)", *(f"{mode} ms" for mode in MODES), "ride - off"], [
         [ph, *(f"{phase_ms[mode][ph]:.3f}" for mode in MODES), f"{phase_ms['ride'][ph] - phase_ms['off'][ph]:+.3f}"]
         for ph in PHASES]))
-    print(f"exchanges that rode behind the gradients: {out['early_exchanges']} (ride steps: "
+    if thread_ms:
+        kinds = sorted(thread_ms["off"].keys() | thread_ms["ride"].keys(),
+                       key=lambda k: -(thread_ms["off"].get(k, 0.0) + thread_ms["ride"].get(k, 0.0)))
+        kinds = [k for k in kinds if max(thread_ms[m].get(k, 0.0) for m in MODES) >= 0.005]
+        rows_t = [[k, *(f"{thread_ms[m].get(k, 0.0):.3f}" for m in MODES),
+                   f"{thread_ms['ride'].get(k, 0.0) - thread_ms['off'].get(k, 0.0):+.3f}"] for k in kinds]
+        total = {m: sum(thread_ms[m].values()) for m in MODES}
+        rows_t.append(["all threads", *(f"{total[m]:.3f}" for m in MODES), f"{total['ride'] - total['off']:+.3f}"])
+        print(table(["CPU per step by thread (mean of the two workers)", *(f"{m} ms" for m in MODES), "ride - off"],
+                    rows_t))
+    print(f"exchanges that rode behind the gradients or in them: {out['early_exchanges']} (ride and behind steps: "
+          f"{2 * plan['rounds'] * per}); in the last bucket's collective: {out['riding_exchanges']} (ride steps: "
           f"{plan['rounds'] * per}); committed steps {out['committed']} of {out['steps']}")
     print(f"goal: {goal_key} <= 0.02: {'met' if out['goals'][goal_key] else 'NOT met'} "
-          f"({'-' if goal is None else f'{goal:.4f}'})")
+          f"({'-' if goal is None else f'{goal:.4f}'})"
+          + ("; a --quick smoke run: 3 rounds are too few to measure a marginal" if args.quick else ""))
     line = json.dumps({"bench": "sdc_step", "quick": args.quick, "results": out, "ratios": ratios})
     _util.emit_line(line, args.out)
     return 0

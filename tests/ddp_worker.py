@@ -120,6 +120,7 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
     gen = torch.Generator().manual_seed(1000 + seed)
     history: list[list[int]] = []
     rode: list[int] = []
+    rides: list[int] = []
     t0 = time.monotonic()
     delay = float(opts.get("delay", 0.05))
     rc = 0
@@ -131,6 +132,7 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
                 rc = 3
                 break
             early0 = m._guard.early_exchanges  # posted during backward, behind the last bucket
+            riding0 = m._guard.riding_exchanges  # of those, in the last bucket's own collective
             m.start_quorum()
             x = torch.randn(8, 16, generator=gen)
             y = torch.randn(8, 4, generator=gen)
@@ -148,8 +150,9 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
                 opt.step()
             history.append([m.current_step(), participants, int(committed)])
             rode.append(m._guard.early_exchanges - early0)  # this round's exchange rode behind the gradients
+            rides.append(m._guard.riding_exchanges - riding0)  # ... in the last bucket's collective itself
             _write(out, m, model, history, buckets=ddp.buckets_reduced, early_exchanges=m._guard.early_exchanges,
-                   late_exchanges=m._guard.late_exchanges, rode=rode)
+                   late_exchanges=m._guard.late_exchanges, rode=rode, rides=rides)
             time.sleep(delay)  # paces the replicas so they overlap; not a wait for an event
     finally:
         ddp.shutdown()

@@ -6,6 +6,9 @@ What a user checks:
 - the averaged gradient equals the arithmetic mean of the 4 ranks' own gradients (2
   groups x 2 ranks, each rank a thread with real gloo process groups), and group rank 0's
   parameters win at construction;
+- with the corruption checks' rows riding in the last bucket's collective, the mean comes
+  back in the staging tensor and reaches the gradients the same, with and without
+  ``gradient_as_bucket_view``;
 - a rank of the group that is gone makes ``backward()`` raise (the group must restart),
   and the step does not commit;
 - which process group averages inside the group (table of the pure decision);
@@ -142,6 +145,88 @@ def test_gradients_are_the_mean_over_every_rank_of_every_group() -> None:
     for _, grads in results[1:]:  # identical bits on every rank, so the parameters never drift
         assert all(torch.equal(a, b) for a, b in zip(grads, results[0][1]))
     assert not all(torch.allclose(a, b) for a, b in zip(local[0], local[1]))  # the ranks' data really differ
+
+
+class RidingCrossGroups(CrossGroups):
+    """``CrossGroups`` with ``allreduce_last``, as rallypoint's Manager has it with the
+    corruption checks on: the last bucket's mean comes back in the staging tensor the
+    checks' rows ride in, and the rows (every group's norm) are checked after backward."""
+
+    def __init__(self, pg: dist.ProcessGroup, groups: int, group: int) -> None:
+        import logging
+
+        from rallypoint.manager._guard import SdcGuard
+
+        super().__init__(pg, groups)
+        self.group, self.failed = group, []
+        self.guard = SdcGuard(True, 0, logging.LoggerAdapter(logging.getLogger("test"), {}))
+        self.guard.new_round()
+        self.timeout = timedelta(seconds=10)  # the FailFast part: posts, hears failures
+        self.riding: Any = None
+
+    def quorum(self) -> Any:
+        from rallypoint.manager.recovery import QuorumResult
+
+        return QuorumResult(quorum_id=1, replica_rank=self.group, replica_world_size=self.groups,
+                            recover_src_manager_address="", recover_src_replica_rank=None,
+                            recover_dst_replica_ranks=[], store_address="", max_step=0, max_replica_rank=None,
+                            max_world_size=self.groups, heal=False, commit_failures=0,
+                            replica_ids=[f"g{q}" for q in range(self.groups)])
+
+    def add_work(self, start: Any) -> Any:
+        return start()
+
+    def comm_failed(self, e: Exception) -> None:
+        self.failed.append(e)
+
+    def abort(self, e: Exception, cause: Any = None) -> None:
+        self.failed.append(e)
+
+    def allreduce_last(self, tensor: torch.Tensor) -> Any:
+        self.riding = self.guard.post_riding(self.pg, self.quorum(), True, tensor, True, self.groups,
+                                             f"g{self.group}", self)
+        return self.riding
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_the_last_bucket_with_the_checks_rows_gives_the_same_mean(as_view: bool) -> None:
+    """The last bucket's mean comes back in the staging tensor the corruption checks' rows
+    ride in (its future completes with that tensor, not the bucket): torch's reducer puts
+    it into the gradients, with and without ``gradient_as_bucket_view``, and the result is
+    the same mean over the 4 ranks, bit-identical, as without the ride; the rows arrive."""
+    store = dist.HashStore()
+    models = [_mlp(seed=0) for _ in range(4)]  # before the threads: torch's generator is global
+
+    def rank_fn(i: int) -> list[torch.Tensor]:
+        group, rank = divmod(i, 2)
+        intra = _gloo(store, f"g{as_view}{group}", rank, 2)
+        cross = RidingCrossGroups(_gloo(store, f"c{as_view}{rank}", group, 2), groups=2, group=group)
+        model = models[i]
+        ddp = DistributedDataParallel(cross, model, process_group=intra, bucket_cap_mb=0.0005,
+                                      gradient_as_bucket_view=as_view)
+        try:
+            x, y = _batch(group, rank)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            assert cross.riding is not None and ddp.buckets_reduced >= 2 and not cross.errors and not cross.failed
+            why, done = cross.guard.check(cross.pg, cross.quorum(), True, cross.timeout, f"g{group}")
+            assert why is None and done["sdc_checked"] == ["grad"] and cross.guard.riding_exchanges == 1
+            return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        finally:
+            ddp.shutdown()
+
+    results = _in_threads(rank_fn, 4)
+    reference = _mlp(seed=0)
+    local = []
+    for i in range(4):
+        reference.zero_grad()
+        x, y = _batch(*divmod(i, 2))
+        nn.functional.mse_loss(reference(x), y).backward()
+        local.append([p.grad.clone() for p in reference.parameters()])  # type: ignore[union-attr]
+    mean = [torch.stack([g[k] for g in local]).mean(0) for k in range(len(local[0]))]
+    for grads in results:
+        for got, want in zip(grads, mean):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(grads, results[0]))
 
 
 def test_a_rank_of_the_group_gone_makes_backward_raise_and_the_step_fail() -> None:

@@ -7,7 +7,6 @@ port 0). Every wait has a timeout; the file runs in a few seconds."""
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_threads import gloo_group, on_ranks
 
 from rallypoint.manager import _sdc
 from rallypoint.manager.guards import (
@@ -389,42 +389,13 @@ TIMEOUT = timedelta(seconds=10)
 
 
 def _on_ranks(fn: Callable[[int], Any], n: int = WORLD, timeout: float = 15.0) -> dict[int, Any]:
-    """Run ``fn(rank)`` on ``n`` threads at once; return rank -> result, re-raise a failure."""
-    results: dict[int, Any] = {}
-    errors: dict[int, BaseException] = {}
-
-    def run(r: int) -> None:
-        try:
-            results[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a rank did not finish in time"
-    if errors:
-        raise next(iter(errors.values()))
-    return results
+    return on_ranks(fn, n, timeout)
 
 
 @pytest.fixture(scope="module")
 def gloo3() -> Any:
     """A real 3-rank gloo group (one per thread) on a TCPStore that picked its own port."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
-
-    def make(r: int) -> Any:
-        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=TIMEOUT)
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        opts._timeout = TIMEOUT
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        return dist.ProcessGroupGloo(dist.PrefixStore("sdc", client), r, WORLD, opts)
-
-    pgs = _on_ranks(make)
-    yield pgs
-    del pgs
+    yield from gloo_group(WORLD, "sdc", TIMEOUT)
 
 
 def test_exchange_floats_over_gloo(gloo3: dict[int, Any]) -> None:

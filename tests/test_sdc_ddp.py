@@ -1,8 +1,8 @@
 """The corruption checks under rallypoint's ``DistributedDataParallel``, as a user runs
 them: real replica processes, the checks on, faults injected through the lighthouse.
 
-With DDP the checks' exchange is posted right behind the last gradient bucket
-(``Manager.gradients_posted``) instead of in ``should_commit``; what a user checks is
+With DDP the checks' rows ride in the last gradient bucket's own collective
+(``Manager.allreduce_last``) instead of an exchange in ``should_commit``; what a user checks is
 unchanged: a corrupt gradient fails that step on every group and names the group, a
 flipped parameter is caught at the next parameter check and its group heals, and all end
 bit-identical."""
@@ -46,7 +46,7 @@ def _failed_steps(r: Any, name: str) -> set[int]:
     return {s for s, _, c in prog["history"] if not c} if prog else set()
 
 
-def test_ddp_checks_ride_behind_the_gradients_and_catch_corruption(lighthouse: Any, ddp_replicas: Any) -> None:
+def test_ddp_checks_ride_in_the_gradients_and_catch_corruption(lighthouse: Any, ddp_replicas: Any) -> None:
     names = [f"replica_{i}" for i in range(3)]
     lh = lighthouse(min_replicas=2, join_timeout_ms=2000, http_bind="127.0.0.1:0")
     r = ddp_replicas(lh)
@@ -72,13 +72,15 @@ def test_ddp_checks_ride_behind_the_gradients_and_catch_corruption(lighthouse: A
     r.assert_identical(names, target)
     for n in names:
         prog = r.progress(n)
-        # should_commit never had to post the exchange itself, and it rode behind the last bucket
-        # in every committed round but the first (rounds, not steps: a heal can skip steps; and
+        # should_commit never had to post the exchange itself: the rows rode in the last
+        # bucket's collective (float32 CPU buckets: no collective of their own) in every
+        # committed round but the first (rounds, not steps: a heal can skip steps; and
         # committed ones: a round whose process group failed exchanges nothing, nor commits).
-        rode, history = prog["rode"], prog["history"]
-        missed = [h for i, (h, r) in enumerate(zip(history, rode)) if i > 0 and h[2] and r != 1]
-        assert prog["late_exchanges"] == 0 and not missed and len(rode) == len(history), \
-            (n, prog["late_exchanges"], missed, list(zip(history, rode)))
+        rode, rides, history = prog["rode"], prog["rides"], prog["history"]
+        missed = [(h, r, d) for i, (h, r, d) in enumerate(zip(history, rode, rides))
+                  if i > 0 and h[2] and (r, d) != (1, 1)]
+        assert prog["late_exchanges"] == 0 and not missed and len(rode) == len(rides) == len(history), \
+            (n, prog["late_exchanges"], missed, list(zip(history, rode, rides)))
         assert "raised" not in prog, prog
     sdc = [(e["detail"]["check"], e["replica_id"].split(":")[0]) for e in _events(lh, "sdc")]
     assert ("grad", "replica_1") in sdc and ("param", "replica_2") in sdc, sdc

@@ -10,7 +10,10 @@ replicas taking part change at every quorum while the ranks of one group do not:
    default group itself): each bucket is divided by the group's size and summed, posted
    on the autograd thread as soon as the bucket is ready, as torch's own DDP does;
 2. across replica groups, by ``manager.allreduce`` (a mean over the groups taking part,
-   rank ``g`` with rank ``g`` of every group), posted once step 1 is done.
+   rank ``g`` with rank ``g`` of every group), posted once step 1 is done. The last
+   bucket goes through ``manager.allreduce_last`` where the manager has one (rallypoint's:
+   the corruption checks' rows ride in that collective), and its future completes with
+   the tensor that work left the mean in.
 
 The module is torch's DDP over the group's own process group (so construction checks
 the parameter shapes and broadcasts parameters and buffers from group rank 0, and
@@ -121,6 +124,8 @@ class _BucketAverager:
         self.failures = 0  # buckets whose allreduce raised outside the manager's handling
         self.group_failures = 0  # buckets whose in-group allreduce failed
         self._posted: Callable[[], None] | None = getattr(manager, "gradients_posted", None)  # rallypoint's Manager
+        # rallypoint's Manager: the last bucket's allreduce carries the corruption checks' rows
+        self._last: Callable[[torch.Tensor], Waitable | None] | None = getattr(manager, "allreduce_last", None)
 
     def _record(self, e: BaseException) -> None:
         """Route ``e`` to the manager so the step does not commit; never raise."""
@@ -155,7 +160,9 @@ class _BucketAverager:
     # ---------------------------------------------------------------- level 2: the groups
     def _post_cross(self, buffer: torch.Tensor, fut: torch.futures.Future, last: bool) -> None:
         try:
-            work = self.manager.allreduce(buffer, reduce_op=AVG)
+            work = self._last(buffer) if last and self._last is not None else None  # None: the rows do not ride
+            if work is None:
+                work = self.manager.allreduce(buffer, reduce_op=AVG)
         except Exception as e:  # noqa: BLE001 - never raise out of backward
             log.warning("posting a gradient allreduce failed: %s", e)
             self._record(e)
@@ -163,7 +170,8 @@ class _BucketAverager:
             return
         if last and self._posted is not None:
             # Before the future can complete (backward returns once it has): the manager's
-            # corruption checks post their exchange right behind this bucket.
+            # corruption checks post their exchange right behind this bucket, unless their
+            # rows rode in its collective (allreduce_last).
             try:
                 self._posted()
             except Exception as e:  # noqa: BLE001 - never raise out of backward
@@ -173,16 +181,22 @@ class _BucketAverager:
             self._after_cross((work, buffer, fut))  # shut down: wait on this thread instead
 
     def _after_cross(self, item: tuple[Waitable, torch.Tensor, torch.futures.Future]) -> None:
-        """Wait for the cross-group work and complete the future with the buffer, whatever happened."""
+        """Wait for the cross-group work and complete the future with the buffer (or the
+        tensor the work left the mean in: rows riding in the last bucket's collective),
+        whatever happened."""
         work, buffer, fut = item
+        result = buffer
         try:
             work.wait()
+            averaged = getattr(work, "averaged", None)  # Manager.allreduce_last's work
+            if averaged is not None:
+                result = averaged()
         except Exception as e:  # noqa: BLE001 - ManagedWork records its own; anything else is ours
             log.warning("gradient allreduce failed: %s", e)
             self._record(e)
         finally:
             if not fut.done():
-                fut.set_result(buffer)
+                fut.set_result(result)
 
     def average(self, buffer: torch.Tensor, last: bool = False) -> torch.futures.Future:
         """Post the mean of ``buffer`` over every rank of every participating group; a

@@ -8,8 +8,11 @@ round sends to ``allreduce`` (the replica's own gradients, before they are avera
 valid, hash hi, hash lo]`` with ONE small SUM allreduce on the cross-replica process group
 (``_sdc.exchange``), and all of them apply the same pure rules (``guards.py``) to the same
 rows, so they reach the same verdict without another round trip. Under rallypoint's DDP
-that allreduce is posted right behind the last gradient bucket (:meth:`SdcGuard.post_early`,
-through ``Manager.gradients_posted``) and ``should_commit`` only waits for it:
+the rows ride in the last gradient bucket's own allreduce (:meth:`SdcGuard.post_riding`,
+through ``Manager.allreduce_last``; :mod:`._ride`), or, where that bucket cannot carry them
+(bf16/fp16 gradients, a large CPU bucket), their allreduce is posted right behind it
+(:meth:`SdcGuard.post_early`, through ``Manager.gradients_posted``); either way
+``should_commit`` only reads the result:
 
 - a NaN/Inf or outlier gradient norm fails the step everywhere (every group's rank votes
   false, nothing is committed) and names the group; a group flagged again within the
@@ -44,7 +47,7 @@ from typing import Any
 
 import torch
 
-from rallypoint.manager import guards
+from rallypoint.manager import _ride, guards
 from rallypoint.manager._sdc import (SdcExchangeError, grad_norm_tensor, halves_to_u64, param_hash, start_exchange,
                                      u64_to_halves)
 from rallypoint.manager.recovery import QuorumResult
@@ -87,6 +90,8 @@ class SdcGuard:
         self._warned_no_params = False
         self._early: _Early | None = None  # this round's exchange, posted behind its last gradient bucket
         self.early_exchanges = 0  # rounds whose exchange rode behind the gradients (tests, logs)
+        self.riding_exchanges = 0  # of those, rounds whose rows rode in the last bucket's collective itself
+        self._staging = _ride.Staging()
         self.late_exchanges = 0  # rounds whose exchange should_commit posted itself (tests, logs)
 
     @classmethod
@@ -119,6 +124,44 @@ class SdcGuard:
             early.pending = self._post(pg, q, early.values, early.device, failfast.add_work, replica_id)
         except Exception as e:  # noqa: BLE001 - reported by check_round, on the training thread
             early.error = e
+
+    def can_ride(self, bucket: torch.Tensor) -> bool:
+        """Whether this round's rows can ride in ``bucket``'s allreduce (:mod:`._ride`):
+        the checks are on, nothing was exchanged yet this round, and the bucket's dtype can
+        carry them. The same on every replica group (same settings, same model)."""
+        return self.enabled and self._early is None and _ride.can_ride(bucket)
+
+    def post_riding(self, pg: Any, q: QuorumResult, state_ok: bool, bucket: torch.Tensor, contributes: bool,
+                    divisor: int | None, replica_id: str, failfast: Any) -> Any:
+        """Post the last gradient bucket's allreduce with this round's rows riding in it
+        (:mod:`._ride`; :meth:`can_ride` said yes), taking the bucket's norm on the way
+        (``contributes``: as for :meth:`observe`). Returns its work (``averaged()``: the
+        tensor holding the mean, see :mod:`._ride`), or None when it was not posted (a quorum member is
+        already gone, or the rows could not be made: the failure is recorded, and reported
+        by :meth:`check_round`)."""
+        world = q.replica_world_size
+        early = _Early([], False, q.max_step, None)
+        try:
+            staging = self._staging.load(bucket, world)
+            self.observe(staging[: bucket.numel()], contributes)  # the copy, still in the cache
+            early.values, early.do_hash, early.step, early.device = self._row(q, state_ok)
+            self._staging.put_row(_ride.to_ride_row(early.values), q.replica_rank, world)
+        except Exception as e:  # noqa: BLE001 - nothing posted: abort, so the peers' collective fails now too
+            early.error = e
+            self._early = early
+            failfast.abort(e, "comm")
+            return None
+        self._early = early
+        self.early_exchanges += 1
+        self.riding_exchanges += 1
+        # Through FailFast: a peer's death while we wait in it aborts it at once.
+        work = failfast.add_work(lambda: _ride.RidingWork.post_riding(failfast, pg, staging, bucket, divisor, world))
+        if work is None:
+            early.error = SdcExchangeError(f"SDC check rows at replica {replica_id} not sent with the gradients: "
+                                           "a quorum member is gone")
+            return None
+        early.pending = _ride.PendingRide(work, q.replica_rank, world)
+        return work
 
     def drop_early(self) -> None:
         """Forget an exchange posted for this round (it is not waited for: the round

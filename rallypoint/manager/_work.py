@@ -40,6 +40,7 @@ class ManagedWork(DoneWork):
         self._done = False
         self._lock = threading.Lock()
         self.done_at: float | None = None  # monotonic: when the first wait returned
+        self.error: Exception | None = None  # why the collective failed (routed to the manager too)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         with self._lock:
@@ -49,16 +50,21 @@ class ManagedWork(DoneWork):
                 ok = self._inner.wait(timeout if timeout is not None else self._sink.timeout)
                 if ok is False:
                     raise TimeoutError("allreduce did not complete in time")
-                if self._divisor:
-                    if self._tensor.is_floating_point() or self._tensor.is_complex():
-                        self._tensor.div_(self._divisor)
-                    else:
-                        self._tensor.div_(self._divisor, rounding_mode="trunc")
+                self._finish()
             except Exception as e:  # noqa: BLE001 - recorded, the step will not commit
+                self.error = e
                 self._sink.comm_failed(e)
             self.done_at = time.monotonic()
             self._done = True
             return True
+
+    def _finish(self) -> None:
+        """After the collective: the mean is the sum divided here."""
+        if self._divisor:
+            if self._tensor.is_floating_point() or self._tensor.is_complex():
+                self._tensor.div_(self._divisor)
+            else:
+                self._tensor.div_(self._divisor, rounding_mode="trunc")
 
     def is_completed(self) -> bool:
         return self._done

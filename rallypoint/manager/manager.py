@@ -342,30 +342,67 @@ class Manager(GroupConnection, QuorumRounds, TorchftApi):
         a quarter of the bytes for fp32; SUM/AVG only; see
         :mod:`rallypoint.process_groups.quantization` for the error it introduces). The
         argument order is torchft's; a ``ReduceOp`` passed second is taken as ``reduce_op``."""
-        who = f"replica {self._replica_id}"
-        should_quantize, reduce_op = allreduce_args(should_quantize, reduce_op, False, who)
+        should_quantize, reduce_op = allreduce_args(should_quantize, reduce_op, False, f"replica {self._replica_id}")
+        done = self._before_collective(tensor, should_quantize, reduce_op)
+        if done is not None:
+            return done
+        divisor = max(1, self._participating_world_size) if reduce_op == ReduceOp.AVG else None
+        managed = self._ff.add_work(lambda: ManagedWork.post(self._ff, self._pg, tensor, should_quantize, reduce_op,
+                                                             divisor))
+        return DoneWork(tensor) if managed is None else managed
+
+    def allreduce_last(self, tensor: torch.Tensor) -> Any:
+        """The mean of the step's last gradient bucket over the participating replicas,
+        with the corruption checks' rows riding in the same collective (:mod:`._ride`: the
+        step makes no collective of its own for them). rallypoint's DDP calls it for that
+        bucket. Returns the work (its ``averaged()`` is the tensor holding the mean,
+        ``to_bucket()`` copies it into ``tensor``), or None when the rows cannot ride
+        (checks off, or a bucket that cannot carry them): the caller then posts
+        ``allreduce(tensor)`` as for any other bucket. Every replica group must use the same wrapper (its
+        collectives must match)."""
+        if not self._guard.can_ride(tensor):
+            return None
+        done = self._before_collective(tensor, False, ReduceOp.AVG, observe=False)
+        if done is not None:
+            return done
+        if not self._checks_exchange(self._cur):
+            self._guard.observe(tensor, self.is_participating())
+            managed = self._ff.add_work(lambda: ManagedWork.post(self._ff, self._pg, tensor, False, ReduceOp.AVG,
+                                                                 max(1, self._participating_world_size)))
+            return DoneWork(tensor) if managed is None else managed
+        assert self._last_quorum is not None  # _checks_exchange
+        work = self._guard.post_riding(self._pg, self._last_quorum, not self._cur.rec.healing, tensor,
+                                       self.is_participating(), max(1, self._participating_world_size),
+                                       self._replica_id, self._ff)
+        return DoneWork(tensor) if work is None else work
+
+    def _before_collective(self, tensor: torch.Tensor, should_quantize: bool, reduce_op: Any,
+                           observe: bool = True) -> Any:
+        """What every gradient collective does before it is posted: wait for the quorum,
+        refuse once the step failed (a done work: the tensor untouched), put in the op's
+        identity when this replica does not contribute, the fault injector's turn, the
+        corruption checks' norm (unless ``observe`` is False: the caller takes it), the
+        round's record. None: go on and post it."""
         if self.errored() is None:
             self._wait_future()
         if self.errored() is not None:
             self._cur.skipped = True  # this round's collectives are out of step with its peers'
             return DoneWork(tensor)
         zeros = not self.is_participating() or self._participating_world_size < self._quorum_size()
-        allreduce_args(should_quantize, reduce_op, zeros, who)
+        allreduce_args(should_quantize, reduce_op, zeros, f"replica {self._replica_id}")
         contributes = self.is_participating()
         if not contributes:
             neutral_fill(reduce_op, tensor)  # zeros for SUM/AVG; -inf for MAX, ...
         if self._injector.on_collective(tensor, contributes) == "drop":
             self._ff.abort(RuntimeError("injected fault: drop-collective"), "injected")
             return DoneWork(tensor)
-        self._guard.observe(tensor, contributes)  # before the collective changes it in place
+        if observe:
+            self._guard.observe(tensor, contributes)  # before the collective changes it in place
         rec = self._cur.rec
         if rec.first_collective is None:
             rec.first_collective = time.monotonic()
         rec.collectives += 1
-        divisor = max(1, self._participating_world_size) if reduce_op == ReduceOp.AVG else None
-        managed = self._ff.add_work(lambda: ManagedWork.post(self._ff, self._pg, tensor, should_quantize, reduce_op,
-                                                             divisor))
-        return DoneWork(tensor) if managed is None else managed
+        return None
 
     def gradients_posted(self) -> None:
         """The step's gradient allreduces are all posted (rallypoint's DDP calls this after

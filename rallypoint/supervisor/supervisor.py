@@ -491,7 +491,7 @@ class Supervisor(RankStopping):
                 elif ev[0] == "store_exit":
                     return _End("store", returncode=ev[1])
                 elif ev[0] == "peer":
-                    if len(ev) > 2 and ev[2] != incarnation:  # a previous round's watch, posted as it stopped
+                    if ev[2] != incarnation:  # a previous round's watch, posted as it stopped
                         log.debug("%s: ignored a peer event of incarnation %s: %s", self._name, ev[2], ev[1])
                         continue
                     return _End("peer", reason=ev[1])
