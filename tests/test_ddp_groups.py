@@ -106,6 +106,22 @@ def _in_threads(fn: Any, n: int) -> list[Any]:
     return out
 
 
+def _local_grads(reference: nn.Module) -> list[list[torch.Tensor]]:
+    """Each of the 4 ranks' own gradients of ``reference`` on its batch (no averaging)."""
+    local = []
+    for i in range(4):
+        reference.zero_grad()
+        x, y = _batch(*divmod(i, 2))
+        nn.functional.mse_loss(reference(x), y).backward()
+        local.append([p.grad.clone() for p in reference.parameters()])  # type: ignore[union-attr]
+    return local
+
+
+def _mean(local: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The arithmetic mean of the ranks' gradients, parameter by parameter."""
+    return [torch.stack([g[k] for g in local]).mean(0) for k in range(len(local[0]))]
+
+
 def test_gradients_are_the_mean_over_every_rank_of_every_group() -> None:
     """2 groups x 2 ranks, each rank its own model seed and batch: after one backward,
     every rank's gradients equal the arithmetic mean of the 4 ranks' own gradients of
@@ -132,13 +148,8 @@ def test_gradients_are_the_mean_over_every_rank_of_every_group() -> None:
     reference = _mlp(seed=0)  # group rank 0's initialisation
     for params, _ in results:
         assert all(torch.equal(p, q) for p, q in zip(params, reference.parameters()))
-    local = []
-    for i in range(4):
-        reference.zero_grad()
-        x, y = _batch(*divmod(i, 2))
-        nn.functional.mse_loss(reference(x), y).backward()
-        local.append([p.grad.clone() for p in reference.parameters()])  # type: ignore[union-attr]
-    mean = [torch.stack([g[k] for g in local]).mean(0) for k in range(len(local[0]))]
+    local = _local_grads(reference)
+    mean = _mean(local)
     for _, grads in results:
         for got, want in zip(grads, mean):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -215,14 +226,7 @@ def test_the_last_bucket_with_the_checks_rows_gives_the_same_mean(as_view: bool)
             ddp.shutdown()
 
     results = _in_threads(rank_fn, 4)
-    reference = _mlp(seed=0)
-    local = []
-    for i in range(4):
-        reference.zero_grad()
-        x, y = _batch(*divmod(i, 2))
-        nn.functional.mse_loss(reference(x), y).backward()
-        local.append([p.grad.clone() for p in reference.parameters()])  # type: ignore[union-attr]
-    mean = [torch.stack([g[k] for g in local]).mean(0) for k in range(len(local[0]))]
+    mean = _mean(_local_grads(_mlp(seed=0)))
     for grads in results:
         for got, want in zip(grads, mean):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

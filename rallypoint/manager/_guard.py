@@ -136,14 +136,14 @@ class SdcGuard:
         """Post the last gradient bucket's allreduce with this round's rows riding in it
         (:mod:`._ride`; :meth:`can_ride` said yes), taking the bucket's norm on the way
         (``contributes``: as for :meth:`observe`). Returns its work (``averaged()``: the
-        tensor holding the mean, see :mod:`._ride`), or None when it was not posted (a quorum member is
-        already gone, or the rows could not be made: the failure is recorded, and reported
-        by :meth:`check_round`)."""
+        tensor holding the mean, see :mod:`._ride`), or None when it was not posted (a
+        quorum member is already gone, or the rows could not be made: the failure is
+        recorded, and reported by :meth:`check_round`)."""
         world = q.replica_world_size
         early = _Early([], False, q.max_step, None)
         try:
             staging = self._staging.load(bucket, world)
-            self.observe(staging[: bucket.numel()], contributes)  # the copy, still in the cache
+            self.observe(staging[: bucket.numel()], contributes)  # the bucket's norm, from its copy
             early.values, early.do_hash, early.step, early.device = self._row(q, state_ok)
             self._staging.put_row(_ride.to_ride_row(early.values), q.replica_rank, world)
         except Exception as e:  # noqa: BLE001 - nothing posted: abort, so the peers' collective fails now too

@@ -358,8 +358,8 @@ class Manager(GroupConnection, QuorumRounds, TorchftApi):
         bucket. Returns the work (its ``averaged()`` is the tensor holding the mean,
         ``to_bucket()`` copies it into ``tensor``), or None when the rows cannot ride
         (checks off, or a bucket that cannot carry them): the caller then posts
-        ``allreduce(tensor)`` as for any other bucket. Every replica group must use the same wrapper (its
-        collectives must match)."""
+        ``allreduce(tensor)`` as for any other bucket. Every replica group must use the
+        same wrapper (its collectives must match)."""
         if not self._guard.can_ride(tensor):
             return None
         done = self._before_collective(tensor, False, ReduceOp.AVG, observe=False)
