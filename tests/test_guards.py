@@ -540,6 +540,12 @@ def test_exchange_with_any_pg_like() -> None:
         _sdc.exchange(_FakePG(RuntimeError("boom")), 0, 2, [1.0], 1.0)
     buf = _sdc.exchange_buffer(2, 3, [1.5], dtype=torch.float32)  # to ride in a float32 gradient allreduce
     assert buf.dtype == torch.float32 and buf.tolist() == [[0.0], [0.0], [1.5]]
+    out = torch.full((10,), 9.0, dtype=torch.float64)  # into the tail of a given tensor: cleared, own row set
+    assert _sdc.exchange_buffer(1, 2, [1.0, 2.0], out=out[6:].view(2, 2)).data_ptr() == out[6:].data_ptr()
+    assert out.tolist() == [9.0] * 6 + [0.0, 0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="shape"):
+        _sdc.exchange_buffer(0, 3, [1.0, 2.0], out=out[6:].view(2, 2))  # nothing written on a bad shape
+    assert out.tolist() == [9.0] * 6 + [0.0, 0.0, 1.0, 2.0]
     with pytest.raises(ValueError):
         _sdc.start_exchange(pg, 3, 3, [1.0])
     with pytest.raises(ValueError):

@@ -91,6 +91,8 @@ def test_staging_is_kept_between_steps() -> None:
         st.put_row([1.0] * 7, 4, 4)
     with pytest.raises(ValueError):
         st.put_row([1.0] * 5, 0, 4)
+    with pytest.raises(ValueError, match="loaded"):
+        _ride.Staging().put_row([1.0] * 7, 0, 2)  # before any load
 
 
 # ------------------------------------------------------------------------------ over gloo

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -334,6 +335,37 @@ def test_sigusr1_dumps_the_ranks_stacks_even_without_its_stderr(tmp_path: Path) 
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout == "still alive\n", p.stderr
     assert "most recent call first" in p.stderr and "in waiting_here" in p.stderr, p.stderr
+
+
+def test_exit_now_says_everything_and_skips_the_teardown() -> None:
+    """The helpers' fast exit: what was printed (buffered, to pipes) arrives, the code is
+    kept, and no atexit handler runs (nor would the interpreter's teardown)."""
+    code = ("import atexit, sys; from rallypoint.supervisor._rank import exit_now; "
+            "atexit.register(lambda: print('atexit ran')); print('out', end=''); "
+            "sys.stderr.write('err'); exit_now(3)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout, p.stderr) == (3, "out", "err")
+
+
+def test_the_store_host_exits_0_at_the_end_of_its_input_and_removes_the_rundir(tmp_path: Path) -> None:
+    """End of stdin (the supervisor finished): the store host removes the supervisor's
+    scratch folder and exits 0 (at once: ``exit_now``)."""
+    rundir = tmp_path / "run"
+    rundir.mkdir()
+    (rundir / "progress.0.0").write_text("1")
+    p = subprocess.Popen([sys.executable, "-m", "rallypoint.supervisor._store_host", "127.0.0.1", "0", str(rundir)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        assert select.select([p.stdout], [], [], 60)[0], "the store host said nothing in 60 s"
+        assert json.loads(p.stdout.readline())["port"] > 0  # it listens (a dead host ends the line: KeyError)
+        p.stdin.close()
+        assert p.wait(60) == 0, p.stderr.read() if p.stderr else ""
+        assert not rundir.exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
 
 
 def test_the_supervisor_imports_no_torch() -> None:

@@ -140,15 +140,14 @@ class SdcGuard:
         quorum member is already gone, or the rows could not be made: the failure is
         recorded, and reported by :meth:`check_round`)."""
         world = q.replica_world_size
-        early = _Early([], False, q.max_step, None)
         try:
             staging = self._staging.load(bucket, world)
             self.observe(staging[: bucket.numel()], contributes)  # the bucket's norm, from its copy
-            early.values, early.do_hash, early.step, early.device = self._row(q, state_ok)
+            early = _Early(*self._row(q, state_ok))
             self._staging.put_row(_ride.to_ride_row(early.values), q.replica_rank, world)
         except Exception as e:  # noqa: BLE001 - nothing posted: abort, so the peers' collective fails now too
-            early.error = e
-            self._early = early
+            self._early = _Early([], False, q.max_step, None)
+            self._early.error = e
             failfast.abort(e, "comm")
             return None
         self._early = early

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-from rallypoint.manager._sdc import SdcExchangeError
+from rallypoint.manager._sdc import SdcExchangeError, exchange_buffer
 from rallypoint.manager._work import ManagedWork
 
 #: Columns of a riding row: norm valid, norm, hash valid, the hash's four 16-bit pieces (high first).
@@ -102,7 +102,8 @@ class Staging:
         self._buf: torch.Tensor | None = None
 
     def load(self, bucket: torch.Tensor, world: int) -> torch.Tensor:
-        """The staging tensor holding a copy of ``bucket``, then ``world`` zeroed slots;
+        """The staging tensor holding a copy of ``bucket``, then ``world`` slots (zeroed:
+        a row that is never put is all zeros, which reads as "nothing to check");
         :meth:`put_row` fills this replica's."""
         n = bucket.numel()
         size = n + world * RIDE_COLUMNS
@@ -115,15 +116,15 @@ class Staging:
 
     def put_row(self, row: Sequence[float], replica_rank: int, world: int) -> None:
         """Write this replica's riding row (:func:`to_ride_row`) into its slot of the
-        staging tensor :meth:`load` returned."""
-        if not 0 <= replica_rank < world:
-            raise ValueError(f"replica_rank {replica_rank} is not in [0, {world})")
+        staging tensor :meth:`load` returned (the one-hot layout of ``_sdc.exchange_buffer``,
+        written in place)."""
         if len(row) != RIDE_COLUMNS:
             raise ValueError(f"a riding row has {RIDE_COLUMNS} values, got {len(row)}")
         buf = self._buf
-        assert buf is not None, "put_row before load"
+        if buf is None or buf.numel() < world * RIDE_COLUMNS:
+            raise ValueError(f"put_row needs a staging tensor loaded for {world} slots first")
         slots = buf[buf.numel() - world * RIDE_COLUMNS:].view(world, RIDE_COLUMNS)
-        slots[replica_rank] = torch.tensor(list(row), dtype=buf.dtype, device=buf.device)
+        exchange_buffer(replica_rank, world, row, out=slots)
 
 
 class RidingWork(ManagedWork):

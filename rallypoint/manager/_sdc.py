@@ -336,9 +336,14 @@ def exchange_buffer(
     *,
     dtype: torch.dtype = torch.float64,
     device: torch.device | str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The exchange's ``world x len(values)`` tensor: own row filled, the others zero. After a
     SUM allreduce over the replicas, ``buf.tolist()`` is every replica's row, exactly.
+
+    ``out``: write the rows into this ``world x len(values)`` tensor (its dtype and device;
+    ``dtype`` and ``device`` are then ignored) instead of a new one, e.g. the slots at the
+    end of a staging tensor the rows ride in (:mod:`._ride`); returns it.
 
     Public so that the rows can ride in a collective the step makes anyway: appended to the
     gradients of a coalesced allreduce with op SUM (the gradients are divided afterwards, as
@@ -351,8 +356,13 @@ def exchange_buffer(
         raise ValueError(f"replica_rank {replica_rank} is not in [0, {world})")
     if not values:
         raise ValueError("nothing to exchange")
-    buf = torch.zeros(world, len(values), dtype=dtype, device=device)
-    buf[replica_rank] = torch.tensor(list(values), dtype=dtype)
+    if out is None:
+        buf = torch.zeros(world, len(values), dtype=dtype, device=device)
+    elif tuple(out.shape) != (world, len(values)):
+        raise ValueError(f"out has shape {tuple(out.shape)}, the rows need ({world}, {len(values)})")
+    else:
+        buf = out.zero_()
+    buf[replica_rank] = torch.tensor(list(values), dtype=buf.dtype)
     return buf
 
 

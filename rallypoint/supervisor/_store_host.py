@@ -25,7 +25,10 @@ One line each way:
 - ``guard PGID...`` on stdin: the process groups of the running ranks (no answer);
   ``guard`` alone: none;
 - end of stdin (the supervisor finished, or died, even by SIGKILL: the kernel closes its
-  end): SIGKILL the guarded process groups, then exit. The ranks die with the supervisor
+  end): SIGKILL the guarded process groups, remove ``RUNDIR``, then exit at once
+  (``os._exit``: the interpreter's own teardown of a process with torch imported takes
+  0.3-0.5 s of CPU, seconds when every process of a finished job tears down at once on a
+  small host, and ``rallypoint run`` waits for this exit). The ranks die with the supervisor
   by ``PR_SET_PDEATHSIG``; this takes down what they started (data loader workers,
   helpers) with them. So this process has no ``PR_SET_PDEATHSIG`` of its own: end of
   input is its parent check.
@@ -43,6 +46,8 @@ import sys
 import threading
 from datetime import timedelta
 from typing import Any, Callable
+
+from rallypoint.supervisor import _rank
 
 
 def _say(**kw: Any) -> None:
@@ -130,7 +135,7 @@ def main(argv: list[str]) -> int:
                     pass
             if len(argv) > 2:
                 shutil.rmtree(argv[2], ignore_errors=True)
-            return 0
+            _rank.exit_now(0)
         cmd = line.strip()
         if cmd.startswith("guard"):
             guarded = [int(p) for p in cmd.split()[1:]]
