@@ -38,6 +38,7 @@ training, healing or starting; otherwise at normal priority.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib
 import json
 import os
@@ -252,6 +253,7 @@ def _standby(preload: list[str]) -> bool:
         except OSError:
             idle = False
     _preload(preload)
+    gc.freeze()  # as the zygote does (see _zygote.py): the rank's collections skip what the imports made
     ready = os.environ.get(READY_ENV)
     if ready:
         with open(ready, "w") as f:
