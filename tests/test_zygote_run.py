@@ -73,8 +73,9 @@ def test_zygote_wanted(standby: bool, subreaper: bool, linux: bool, wanted: bool
 
 WORKER = textwrap.dedent(
     """
-    import json, os, sys, time
+    import gc, json, os, sys, time
     t = time.time()
+    frozen = gc.get_freeze_count()  # the zygote's imports, frozen before it forked (none in a cold rank)
     warm = "torch" in sys.modules
     out, rank = sys.argv[1], os.environ["RANK"]
     inc = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -82,6 +83,7 @@ WORKER = textwrap.dedent(
            "sid": os.getsid(0), "pgid": os.getpgrp(), "main": __name__, "argv": sys.argv[1:],
            "stdin": os.path.realpath("/proc/self/fd/0"), "ready_env": os.environ.get("RALLYPOINT_STANDBY_READY"),
            "fd_env": os.environ.get("RALLYPOINT_ZYGOTE_FD"), "helper": "helper" in sys.modules,
+           "frozen": frozen,
            "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\\0")}
     with open(os.path.join(out, f"start.{inc}.{rank}"), "w") as f:
         json.dump(rec, f)
@@ -158,6 +160,8 @@ def _forked_alike(rec: dict, sup: Proc, zygote: int) -> None:
     assert ZYGOTE_MODULE in rec["cmdline"], rec
     assert (rec["warm"], rec["helper"], rec["main"], rec["stdin"], rec["ready_env"], rec["fd_env"]) == (
         True, True, "__main__", "/dev/null", None, None), rec
+    # torch's objects sit in the GC's permanent generation: the rank's collections skip them
+    assert rec["frozen"] > 50_000, rec
 
 
 @pytest.mark.slow
