@@ -362,7 +362,7 @@ def exchange_buffer(
         raise ValueError(f"out has shape {tuple(out.shape)}, the rows need ({world}, {len(values)})")
     else:
         buf = out.zero_()
-    buf[replica_rank] = torch.tensor(list(values), dtype=buf.dtype)
+    buf[replica_rank] = torch.tensor(list(values), dtype=buf.dtype, device=buf.device)
     return buf
 
 

@@ -46,6 +46,7 @@ import runpy
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 LIFELINE_ENV = "RALLYPOINT_SUPERVISOR_FD"  # rallypoint.supervisor.envs.LIFELINE_ENV
 READY_ENV = "RALLYPOINT_STANDBY_READY"  # rallypoint.supervisor.envs.READY_ENV
@@ -79,7 +80,7 @@ def _die_with_supervisor(fd: int) -> None:
 _PR_SET_PDEATHSIG = 1
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """Flush stdout and stderr and end the process with ``code`` at once (``os._exit``),
     without the interpreter's teardown: for rallypoint run's own helpers (the zygote, the
     store host) once their work is done. With torch imported, the teardown (module
