@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -399,3 +399,92 @@ def test_a_tensor_changed_under_the_background_copy_is_never_delivered() -> None
     with pytest.raises(StateChanged, match="changed while it was served"):
         for _ in stream:
             pass
+
+
+def test_a_big_piece_is_summed_part_by_part_and_dropped_when_a_freeze_overtakes_it() -> None:
+    """A piece larger than the send size is summed one part at a time, each just before it
+    is sent, and its sum (over the whole piece) follows the last part. A freeze that begins
+    while such a piece of live memory is on its way may let the caller change the memory
+    between two parts, so the stream ends there (``Overtaken``) instead of sending a sum
+    that would agree with a torn piece; the range fetched again comes from the frozen
+    copy, as served."""
+    from rallypoint.transports import _tensors as T
+    from rallypoint.transports._crc import CRC32, XXH3
+    from rallypoint.transports._encode import Overtaken
+    from rallypoint.transports._header import SUM
+
+    sd, want, enc = _live_state(precopy=False)  # 4 tensors of 1 MiB, pieces of 256 KiB
+    for kind in [CRC32, XXH3]:
+        assert kind is not None
+        parts = list(enc.iter_data(0, 1 << 20, 64 << 10, kind))  # tensor 0: 4 x (4 parts + a sum)
+        assert [p.nbytes for p in parts] == ([64 << 10] * 4 + [4]) * 4
+        for i in range(4):
+            piece = b"".join(bytes(p) for p in parts[5 * i : 5 * i + 4])
+            assert SUM.unpack(parts[5 * i + 4])[0] == kind.of(piece)
+
+    stream = enc.iter_data(1 << 20, 2 << 20, 64 << 10)  # tensor 1, not yet delivered
+    first = next(stream)
+    assert first.nbytes == 64 << 10
+    assert enc.freeze(1.0) == 3 << 20  # tensors 1-3 copied; tensor 0 was delivered (twice)
+    for t in sd.values():
+        t.add_(1)  # the caller's optimizer step, right after the freeze
+    with pytest.raises(Overtaken, match="t1"):
+        for _ in stream:
+            pass
+    again = list(enc.iter_data(1 << 20, 4 << 20, 64 << 10))  # tensors 1-3, from the copies
+    assert len(again) == 5 * 12
+    data = b""
+    for i in range(12):
+        piece = b"".join(bytes(p) for p in again[5 * i : 5 * i + 4])
+        assert SUM.unpack(again[5 * i + 4])[0] == CRC32.of(piece)
+        data += piece
+    assert data == b"".join(bytes(T.byte_view(want[k])) for k in ["t1", "t2", "t3"])
+
+
+class _PauseMidPiece(Faulty):
+    """Holds the first stream that has sent part of a big piece until ``go`` is set."""
+
+    def __init__(self, *a: Any, part: int, **kw: Any) -> None:
+        self.part = part
+        self.mid, self.go = threading.Event(), threading.Event()
+        super().__init__(*a, **kw)
+
+    def _pieces(self, *a: Any) -> Iterator[memoryview]:
+        for piece in super()._pieces(*a):
+            yield piece
+            if piece.nbytes == self.part and not self.mid.is_set():
+                self.mid.set()
+                assert self.go.wait(10), "the test never let the stream go on"
+
+
+def test_a_heal_overtaken_by_the_senders_step_mid_piece_still_gets_the_state_as_served(
+        transports: Callable[..., HTTPTransport], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Over HTTP: a receiver is part-way through a big piece of live memory when the sender
+    freezes (``disallow_checkpoint``) and changes its state. That stream is dropped at the
+    end of the piece, the receiver fetches the range again, from the frozen copy, and gets
+    the state as served."""
+    import copy as copy_mod
+
+    from rallypoint.transports import http as http_mod
+
+    monkeypatch.setattr(http_mod, "SEND_PIECE", 64 << 10)
+    src = transports(_PauseMidPiece, part=64 << 10, block=256 << 10, copy_below=0)
+    dst = transports(num_chunks=2)
+    sd = make_state(11, n=4, numel=1 << 18)  # four 1 MiB tensors: pieces of four parts
+    want = copy_mod.deepcopy(sd)
+    src.send_checkpoint([1], 1, sd, TEN)
+    result: queue.Queue[Any] = queue.Queue()
+    th = threading.Thread(target=lambda: result.put(dst.recv_checkpoint(0, src.metadata(), 1, TEN)))
+    th.start()
+    assert isinstance(src, _PauseMidPiece) and src.mid.wait(10)
+    with caplog.at_level(logging.INFO, logger="rallypoint"):
+        src.disallow_checkpoint()
+        with torch.no_grad():
+            for t in sd["model"].values():
+                if t.is_floating_point():
+                    t.add_(1)
+        src.go.set()
+        th.join(10)
+        assert_same(want, result.get(timeout=1))
+    assert "frozen while a piece of it was sent" in caplog.text

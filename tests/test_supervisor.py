@@ -358,7 +358,7 @@ def test_the_store_host_exits_0_at_the_end_of_its_input_and_removes_the_rundir(t
     try:
         assert p.stdout is not None and p.stdin is not None
         assert select.select([p.stdout], [], [], 60)[0], "the store host said nothing in 60 s"
-        assert json.loads(p.stdout.readline())["port"] > 0  # it listens (a dead host ends the line: KeyError)
+        assert json.loads(p.stdout.readline())["port"] > 0  # it listens (a dead host ends the line: JSONDecodeError)
         p.stdin.close()
         assert p.wait(60) == 0, p.stderr.read() if p.stderr else ""
         assert not rundir.exists()

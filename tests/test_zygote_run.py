@@ -75,7 +75,9 @@ WORKER = textwrap.dedent(
     """
     import gc, json, os, sys, time
     t = time.time()
-    frozen = gc.get_freeze_count()  # the zygote's imports, frozen before it forked (none in a cold rank)
+    # The zygote's imports, frozen before it forked (a cold standby freezes its own; a
+    # rank started as a new process has none).
+    frozen = gc.get_freeze_count()
     warm = "torch" in sys.modules
     out, rank = sys.argv[1], os.environ["RANK"]
     inc = int(os.environ["TORCHELASTIC_RESTART_COUNT"])

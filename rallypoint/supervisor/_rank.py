@@ -254,7 +254,8 @@ def _standby(preload: list[str]) -> bool:
         except OSError:
             idle = False
     _preload(preload)
-    gc.freeze()  # as the zygote does (see _zygote.py): the rank's collections skip what the imports made
+    if not gc.get_freeze_count():  # a fork of the zygote has its imports frozen already
+        gc.freeze()  # as the zygote does (see _zygote.py): the rank's collections skip what the imports made
     ready = os.environ.get(READY_ENV)
     if ready:
         with open(ready, "w") as f:

@@ -17,7 +17,7 @@ import json
 import os
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,6 +41,12 @@ from rallypoint.transports._range_writer import COALESCE_BELOW
 
 #: From this many bytes on, encoding computes header checksums on several threads.
 PARALLEL_CRC_BYTES = 64 << 20
+
+
+class Overtaken(RuntimeError):
+    """A piece of live memory was being sent when a freeze began: the stream is dropped
+    (the receiver fetches the range again, from the copies), since the caller may have
+    changed the memory between two parts of the piece."""
 
 
 class Encoded:
@@ -109,14 +115,16 @@ class Encoded:
     def iter_data(self, start: int = 0, end: int | None = None, piece: int = DEFAULT_BLOCK,
                   sum_kind: SumKind = CRC32) -> Iterator[memoryview]:
         """Views covering data bytes ``[start, end)``, each at most ``piece`` bytes (inline:
-        each checksum block followed by its checksum of kind ``sum_kind``)."""
+        each checksum block, in parts of at most ``piece`` bytes, followed by its checksum
+        of kind ``sum_kind``; a live piece that a freeze overtakes raises :class:`Overtaken`
+        instead of its checksum)."""
         end = self.data_bytes if end is None else end
         if not 0 <= start <= end <= self.data_bytes:
             raise ValueError(f"range [{start}, {end}) outside the data region of {self.data_bytes} bytes")
         if any(self.on_device):
             raise ValueError("tensors kept on their device cannot be streamed as bytes")
         if self.inline:
-            yield from self._iter_inline(start, end, sum_kind.of)
+            yield from self._iter_inline(start, end, sum_kind, piece)
             return
         i = max(0, bisect.bisect_right(self.starts, start) - 1)
         pos = start
@@ -154,7 +162,12 @@ class Encoded:
     def _give_back(self, ti: int, live: bool, sent: bool) -> None:
         """A piece of tensor ``ti`` was read (``sent``: and sent completely)."""
 
-    def _iter_inline(self, start: int, end: int, checksum: Callable[[Any], int]) -> Iterator[memoryview]:
+    def _unfrozen(self) -> bool:
+        """Whether live memory may still be read as it is: no freeze has begun (see
+        :class:`~rallypoint.transports._live.LiveEncoded`). Nothing here is live: always."""
+        return True
+
+    def _iter_inline(self, start: int, end: int, kind: SumKind, sub: int) -> Iterator[memoryview]:
         if not self.aligned(start, end):
             raise ValueError(f"range [{start}, {end}) is not aligned to checksum blocks")
         first = bisect.bisect_left(self._piece_starts, start)
@@ -171,7 +184,7 @@ class Encoded:
                     small += part
                     self._summed(ti, live)
                     summed = sent = True  # copied: what is sent is what was summed
-                    small += SUM.pack(checksum(memoryview(small)[at:]))
+                    small += SUM.pack(kind.of(memoryview(small)[at:]))
                     if len(small) >= self.block:
                         yield memoryview(bytes(small))
                         small.clear()
@@ -179,12 +192,34 @@ class Encoded:
                 if small:
                     yield memoryview(bytes(small))
                     small.clear()
-                # Summed before sending: a change after this fails the receiver's check.
-                crc = checksum(part)
-                self._summed(ti, live)
-                summed = True
-                yield part
-                yield memoryview(SUM.pack(crc))
+                if ln <= sub or (live and not self._unfrozen()):
+                    # One part, or a freeze under way (it waits for this): summed whole before
+                    # it is sent, so a change after the freeze fails the receiver's check.
+                    crc = kind.of(part)
+                    self._summed(ti, live)
+                    summed = True
+                    yield part
+                    yield memoryview(SUM.pack(crc))
+                    sent = True
+                    continue
+                # Summed ``sub`` bytes at a time, each just before it is sent, so that the
+                # kernel copies it from the cache the sum just read it into, instead of
+                # from memory a second time (perf: the sender's two largest costs).
+                if live:
+                    self._summed(ti, live)  # the freeze need not wait: a piece it overtakes is dropped
+                    summed = True
+                state = kind.begin()
+                for lo in range(0, ln, sub):
+                    chunk = part[lo : lo + sub]
+                    state = kind.update(state, chunk)
+                    yield chunk
+                if live and not self._unfrozen():
+                    # A freeze began while this piece was on its way: once it returns, the
+                    # caller may change the memory, so what was sent may mix two states
+                    # with a sum that agrees. The stream is dropped; the receiver fetches
+                    # the range again, from the frozen copies.
+                    raise Overtaken(f"{self.keys[ti]}: the served state was frozen while a piece of it was sent")
+                yield memoryview(SUM.pack(kind.value(state)))
                 sent = True
             finally:
                 if not summed:
@@ -368,4 +403,4 @@ def _fill_checksums(specs: list[dict[str, Any]], views: list[memoryview], block:
         specs[i]["crc32"].append(c)
 
 
-__all__ = ["Encoded", "encode"]
+__all__ = ["Encoded", "Overtaken", "encode"]

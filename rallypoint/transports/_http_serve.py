@@ -36,6 +36,7 @@ from urllib.parse import parse_qs, unquote
 from rallypoint._net.ratelog import Throttle, left_out_note
 from rallypoint._net.slots import evict_for_newcomer
 from rallypoint.transports import wire
+from rallypoint.transports._encode import Overtaken
 
 logger = logging.getLogger("rallypoint.transports.http")
 
@@ -343,14 +344,19 @@ class CheckpointServer:
             conn.sendall(self._head_bytes(200, headers))
             if head_only:
                 return not close
-            for piece in itertools.chain([first] if first is not None else [], pieces):
-                if served.aborted:
-                    # Dropping the connection: the client sees a short body.
-                    logger.warning("checkpoint of step %d withdrawn mid-transfer; dropping the stream", served.step)
-                    return False
-                # A receiver that stops reading must not pin this stream (and the state
-                # dict) forever: each piece has to leave within the transport's timeout.
-                conn.sendall(piece)
+            try:
+                for piece in itertools.chain([first] if first is not None else [], pieces):
+                    if served.aborted:
+                        # Dropping the connection: the client sees a short body.
+                        logger.warning("checkpoint of step %d withdrawn mid-transfer; dropping the stream",
+                                       served.step)
+                        return False
+                    # A receiver that stops reading must not pin this stream (and the state
+                    # dict) forever: each piece has to leave within the transport's timeout.
+                    conn.sendall(piece)
+            except Overtaken as e:
+                logger.info("%s; dropping the stream (the receiver fetches the range again)", e)
+                return False
             return not close
         finally:
             with served.done:

@@ -31,9 +31,13 @@ The rules (:class:`LiveEncoded`):
   copying is measured, it waits for the receivers instead when they should have the
   rest sooner than copying on would take (:func:`wait_for_delivery`; bounded by that
   copy time, so a stalled receiver costs at most about one copy more). It returns
-  once no piece of live memory is being checksummed, so the caller may then change its
-  state: a piece already summed and still being sent fails the receiver's check if it
-  changes, and is fetched again from the copy. The transport freezes in
+  once no piece of live memory is being checksummed whole, so the caller may then change
+  its state: a piece already summed and still being sent fails the receiver's check if it
+  changes, and is fetched again from the copy. A piece larger than the send size is
+  summed part by part as its parts are sent (:meth:`Encoded._iter_inline`); the freeze
+  does not wait for it, and a stream that finds the state frozen after the last part
+  ends there instead of sending the sum (``Overtaken``), since the caller may have changed
+  the memory between two parts: the receiver fetches that range again, from the copy. The transport freezes in
   ``disallow_checkpoint`` (the Manager's ``should_commit``, right before the optimizer
   may step, for a state served from the quorum thread; a live state no receiver has asked
   for yet is withdrawn instead, never copied; a state already frozen is left as it is)
@@ -49,8 +53,8 @@ The rules (:class:`LiveEncoded`):
 * **Caught if it happens anyway**: each live tensor's autograd version counter (which
   every in-place change bumps) is recorded when served and checked before and after
   each piece is read; a change spoils the offer, and every later request is refused
-  with a message that names the tensor. Each piece's checksum is computed just before
-  it is sent, so a change during the send fails the receiver's check.
+  with a message that names the tensor. Each piece's (or part's) checksum is computed
+  just before it is sent, so a change during the send fails the receiver's check.
 
 Residual risk, by design: an in-place change of a large tensor outside an optimizer step
 (not BatchNorm: its buffers are small and copied) that is still running when its last
@@ -205,6 +209,9 @@ class LiveEncoded(Encoded):
                 raise self._spoil(ti)
             self._summing[ti] += 1
             return self.views[ti], True
+
+    def _unfrozen(self) -> bool:
+        return not self.frozen
 
     def _summed(self, ti: int, live: bool) -> None:
         if live:
