@@ -441,6 +441,25 @@ def test_a_big_piece_is_summed_part_by_part_and_dropped_when_a_freeze_overtakes_
     assert data == b"".join(bytes(T.byte_view(want[k])) for k in ["t1", "t2", "t3"])
 
 
+def test_a_big_piece_changed_between_two_parts_outside_an_optimizer_step_never_gets_its_sum() -> None:
+    """Summed part by part, a piece changed in place between two of its parts (a bug in the
+    caller: no freeze, no optimizer step) would get a sum that agrees with the torn bytes.
+    The version counter is checked before the sum leaves: the stream ends with the error
+    naming the tensor, and the offer is spoiled (every later read is refused)."""
+    from rallypoint.transports._live import StateChanged
+
+    sd, _, enc = _live_state(precopy=False)
+    stream = enc.iter_data(1 << 20, 2 << 20, 64 << 10)
+    sent = [next(stream).nbytes]
+    sd["t1"].add_(1)
+    with pytest.raises(StateChanged, match=r"t1'\] changed while it was served"):
+        for part in stream:
+            sent.append(part.nbytes)
+    assert sent == [64 << 10] * 4  # the first piece's parts, and no sum after them
+    with pytest.raises(StateChanged, match="changed while it was served"):
+        next(enc.iter_data(2 << 20, 3 << 20, 64 << 10))
+
+
 class _PauseMidPiece(Faulty):
     """Holds the first stream that has sent part of a big piece until ``go`` is set."""
 

@@ -167,6 +167,12 @@ class Encoded:
         :class:`~rallypoint.transports._live.LiveEncoded`). Nothing here is live: always."""
         return True
 
+    def _parts_sent(self, ti: int) -> None:
+        """Every part of a piece of live tensor ``ti`` was sent, each summed just before:
+        raise (:class:`Overtaken`, or the live server's own error) where the memory may
+        have changed between two parts, so that the piece's sum, which would agree with
+        a torn piece, is never sent. Nothing here is live: never called."""
+
     def _iter_inline(self, start: int, end: int, kind: SumKind, sub: int) -> Iterator[memoryview]:
         if not self.aligned(start, end):
             raise ValueError(f"range [{start}, {end}) is not aligned to checksum blocks")
@@ -213,12 +219,8 @@ class Encoded:
                     chunk = part[lo : lo + sub]
                     state = kind.update(state, chunk)
                     yield chunk
-                if live and not self._unfrozen():
-                    # A freeze began while this piece was on its way: once it returns, the
-                    # caller may change the memory, so what was sent may mix two states
-                    # with a sum that agrees. The stream is dropped; the receiver fetches
-                    # the range again, from the frozen copies.
-                    raise Overtaken(f"{self.keys[ti]}: the served state was frozen while a piece of it was sent")
+                if live:
+                    self._parts_sent(ti)  # raises if the memory may have changed between two parts
                 yield memoryview(SUM.pack(kind.value(state)))
                 sent = True
             finally:

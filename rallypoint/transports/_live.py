@@ -53,8 +53,10 @@ The rules (:class:`LiveEncoded`):
 * **Caught if it happens anyway**: each live tensor's autograd version counter (which
   every in-place change bumps) is recorded when served and checked before and after
   each piece is read; a change spoils the offer, and every later request is refused
-  with a message that names the tensor. Each piece's (or part's) checksum is computed
-  just before it is sent, so a change during the send fails the receiver's check.
+  with a message that names the tensor (for a piece summed part by part, also before its
+  sum is sent, so a change between two parts never gets a sum that agrees). Each piece's
+  (or part's) checksum is computed just before it is sent, so a change during the send
+  fails the receiver's check.
 
 Residual risk, by design: an in-place change of a large tensor outside an optimizer step
 (not BatchNorm: its buffers are small and copied) that is still running when its last
@@ -74,7 +76,7 @@ from typing import Any
 import torch
 
 from rallypoint.transports import _tensors as T
-from rallypoint.transports._encode import Encoded
+from rallypoint.transports._encode import Encoded, Overtaken
 
 logger = logging.getLogger("rallypoint.transports.http")
 
@@ -212,6 +214,15 @@ class LiveEncoded(Encoded):
 
     def _unfrozen(self) -> bool:
         return not self.frozen
+
+    def _parts_sent(self, ti: int) -> None:
+        with self._cv:
+            if self.frozen:
+                # Once the freeze returns the caller may change the memory: what was sent
+                # may mix two states. The stream ends; the range is fetched again, from the copy.
+                raise Overtaken(f"{self._key(ti)}: the served state was frozen while a piece of it was sent")
+            if self._changed(ti):  # outside an optimizer step: as _give_back does, but before the sum leaves
+                raise self._spoil(ti)
 
     def _summed(self, ti: int, live: bool) -> None:
         if live:
