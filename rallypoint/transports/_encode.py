@@ -208,11 +208,13 @@ class Encoded:
                     yield memoryview(SUM.pack(crc))
                     sent = True
                     continue
-                # Summed ``sub`` bytes at a time, each just before it is sent, so that the
-                # kernel copies it from the cache the sum just read it into, instead of
-                # from memory a second time (perf: the sender's two largest costs).
+                # Summed ``sub`` bytes at a time, each just before it is sent (the sum and
+                # the kernel's copy read the part once each while it is cached; measured
+                # faster end to end than summing the block whole, docs/benchmarks.md).
                 if live:
-                    self._summed(ti, live)  # the freeze need not wait: a piece it overtakes is dropped
+                    # The freeze need not wait for this piece: the end check drops it if a
+                    # freeze overtook it or its tensor changed in place (``_parts_sent``).
+                    self._summed(ti, live)
                     summed = True
                 state = kind.begin()
                 for lo in range(0, ln, sub):
