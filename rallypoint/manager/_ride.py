@@ -13,14 +13,15 @@ with the rows, in one collective:
   its own slot, zeros in the others' (the bucket's norm is taken from that copy);
 - one SUM allreduce of the staging tensor: every slot then holds its replica's row,
   exactly (a sum of one value and zeros), and the bucket part the sum of the gradients;
-- on ``wait``, the staging tensor's bucket part is divided in place, as the plain path
-  divides the bucket, and is the work's result (:meth:`RidingWork.averaged`): rallypoint's
-  DDP completes the bucket's future with it, and torch's reducer copies a hook's result
-  into the gradients as it copies the bucket (``gradient_as_bucket_view=True``: into the
-  bucket, which the gradients are views of). So what riding adds is one copy of the last
-  bucket, against a whole collective saved (``bench/sdc_step.py``: its ``ride`` mode
-  against ``behind``). A caller that reads the bucket itself gets the mean copied back
-  into it by :meth:`RidingWork.to_bucket`.
+- on ``wait``, the staging tensor's bucket part is divided into the bucket (one pass,
+  where the plain path divides the bucket in place), and the bucket is the work's result
+  (:meth:`RidingWork.averaged`): rallypoint's DDP completes the bucket's future with it,
+  and torch's reducer, which copies a hook's result into the gradients, finds them
+  already holding it (``gradient_as_bucket_view=True``: the gradients are views of the
+  bucket, and ``copy_`` of a tensor onto the same memory returns at once). So what riding
+  adds is one copy of the last bucket into the staging tensor, against a whole collective
+  saved (``bench/sdc_step.py``: its ``ride`` mode against ``behind``). A caller that reads
+  the bucket itself finds the mean there after ``wait``.
 
 The rows are in the gradients' dtype, float32 or float64. A float32 holds a norm to
 float32 precision (a 10x outlier test needs far less; NaN and Inf stay NaN and Inf; a
@@ -50,11 +51,11 @@ from rallypoint.manager._work import ManagedWork
 RIDE_COLUMNS = 7
 #: Gradient dtypes whose collective the rows can ride in.
 RIDE_DTYPES = (torch.float32, torch.float64)
-#: Largest CPU bucket the rows ride in. Copying a bucket into the staging tensor and the
-#: mean back costs ~0.15 ms per MiB on a 2-core host (a 4 MiB bucket: 0.43 ms in, 0.17 ms
-#: more out than dividing in place), the collective it saves ~1 ms of CPU (gloo's threads,
-#: posting and waiting); above this the rows' own collective is the cheaper one. On a GPU
-#: the copy is a device copy and always cheaper.
+#: Largest CPU bucket the rows ride in. Copying a bucket into the staging tensor costs
+#: ~0.1 ms per MiB on a 2-core host (a 4 MiB bucket: 0.43 ms; the mean goes back divided
+#: on the way, in the pass the plain path spends dividing in place), the collective it
+#: saves ~1 ms of CPU (gloo's threads, posting and waiting); above this the rows' own
+#: collective is the cheaper one. On a GPU the copy is a device copy and always cheaper.
 RIDE_MAX_CPU_BYTES = 6 << 20
 
 
@@ -131,9 +132,9 @@ class RidingWork(ManagedWork):
     """The last bucket's allreduce with the rows riding in it: after ``wait``,
     :meth:`averaged` is the mean (or the sum), :meth:`rows` every replica's check row. A
     failure is routed to the manager (the step will not commit) and kept in ``error``;
-    the bucket is then left as it was. The staging tensor is reused by the next step's
-    last bucket: the result is valid until then (torch's reducer copies it at the end of
-    ``backward()``)."""
+    the bucket is then left as it was. On success the mean is divided out of the staging
+    tensor into the bucket, which is the result: the rows stay in the staging tensor
+    (:meth:`rows`) until the next step's last bucket reuses it."""
 
     def __init__(self, sink: Any, inner: Any, staging: torch.Tensor, bucket: torch.Tensor, divisor: int | None,
                  world: int) -> None:
@@ -141,27 +142,27 @@ class RidingWork(ManagedWork):
         self._staging = staging
         self._n = bucket.numel()
         self._world = world
-        self._mean: torch.Tensor | None = None
 
     def _finish(self) -> None:
-        part = self._staging[: self._n]
+        # Divided on the way into the bucket: one pass over the sum, and the bucket (the
+        # gradients' memory) holds the mean, so torch's reducer copies nothing back.
+        part = self._staging[: self._n].view_as(self._tensor)
         if self._divisor:
-            part.div_(self._divisor)
-        self._mean = self._result = part.view_as(self._tensor)
+            torch.div(part, self._divisor, out=self._tensor)
+        else:
+            self._tensor.copy_(part)
+        self._result = self._tensor
 
     def averaged(self) -> torch.Tensor:
-        """The tensor holding the bucket's mean once :meth:`wait` returned (a view of the
-        staging tensor); the bucket itself, untouched, when the collective failed."""
+        """Wait, and return the bucket: holding the mean (or the sum) after a successful
+        collective, untouched when it failed."""
         self.wait()
-        return self._mean if self._mean is not None and self.error is None else self._tensor
+        return self._tensor
 
     def to_bucket(self) -> torch.Tensor:
-        """Wait, and copy the mean into the bucket (for a caller that reads the bucket
-        rather than :meth:`averaged`); returns the bucket."""
-        mean = self.averaged()
-        if mean is not self._tensor:
-            self._tensor.copy_(mean)
-        return self._tensor
+        """Wait, and return the bucket, which holds the mean after a successful collective
+        (kept for callers written when the mean lived in the staging tensor)."""
+        return self.averaged()
 
     def rows(self) -> list[list[float]]:
         """Every replica's row ``[norm valid, norm, hash valid, hash hi, hash lo]`` (after a

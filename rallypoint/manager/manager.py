@@ -355,8 +355,8 @@ class Manager(GroupConnection, QuorumRounds, TorchftApi):
         """The mean of the step's last gradient bucket over the participating replicas,
         with the corruption checks' rows riding in the same collective (:mod:`._ride`: the
         step makes no collective of its own for them). rallypoint's DDP calls it for that
-        bucket. Returns the work (its ``averaged()`` is the tensor holding the mean,
-        ``to_bucket()`` copies it into ``tensor``), or None when the rows cannot ride
+        bucket. Returns the work (its ``averaged()`` is ``tensor`` itself, holding the
+        mean once the sum has been divided into it), or None when the rows cannot ride
         (checks off, or a bucket that cannot carry them): the caller then posts
         ``allreduce(tensor)`` as for any other bucket. Every replica group must use the
         same wrapper (its collectives must match)."""
