@@ -181,22 +181,18 @@ class _BucketAverager:
             self._after_cross((work, buffer, fut))  # shut down: wait on this thread instead
 
     def _after_cross(self, item: tuple[Waitable, torch.Tensor, torch.futures.Future]) -> None:
-        """Wait for the cross-group work and complete the future with the buffer (or the
-        tensor the work left the mean in: rows riding in the last bucket's collective),
-        whatever happened."""
+        """Wait for the cross-group work and complete the future with the buffer, whatever
+        happened (every work, the riding one of ``Manager.allreduce_last`` too, leaves the
+        mean in the buffer on success; on a failure the step does not commit)."""
         work, buffer, fut = item
-        result = buffer
         try:
             work.wait()
-            averaged = getattr(work, "averaged", None)  # Manager.allreduce_last's work
-            if averaged is not None:
-                result = averaged()
         except Exception as e:  # noqa: BLE001 - ManagedWork records its own; anything else is ours
             log.warning("gradient allreduce failed: %s", e)
             self._record(e)
         finally:
             if not fut.done():
-                fut.set_result(result)
+                fut.set_result(buffer)
 
     def average(self, buffer: torch.Tensor, last: bool = False) -> torch.futures.Future:
         """Post the mean of ``buffer`` over every rank of every participating group; a

@@ -159,11 +159,6 @@ class RidingWork(ManagedWork):
         self.wait()
         return self._tensor
 
-    def to_bucket(self) -> torch.Tensor:
-        """Wait, and return the bucket, which holds the mean after a successful collective
-        (kept for callers written when the mean lived in the staging tensor)."""
-        return self.averaged()
-
     def rows(self) -> list[list[float]]:
         """Every replica's row ``[norm valid, norm, hash valid, hash hi, hash lo]`` (after a
         successful :meth:`wait`)."""
