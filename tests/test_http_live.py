@@ -295,6 +295,10 @@ def test_the_freeze_copies_the_tail_while_the_head_is_still_delivered() -> None:
         t.add_(1)  # the caller's optimizer step, right after the freeze
     for piece in stream:
         got.extend(piece)
+    # The piece of tensor 3 handed out before the freeze returned is not counted: it could
+    # have been sent after the caller's change (a socket's send, not this test's extend).
+    assert not enc.delivered and not enc.delivered_tensor(3)
+    enc.receiver_done()  # the receiver says it has everything (/done)
     assert enc.delivered
     assert_same(want, wire.decode(bytes(got)))
     with pytest.raises(Exception, match="delivered and the sender has stepped since"):
@@ -333,6 +337,10 @@ def test_the_background_copy_leaves_the_freeze_nothing_to_copy() -> None:
         t.add_(1)  # the optimizer step, right after the freeze
     for piece in stream:
         got.extend(piece)
+    # The first piece, handed out from live memory before the freeze, is not counted (see
+    # the test above); the receiver's /done delivers the state.
+    assert not enc.delivered
+    enc.receiver_done()
     assert enc.delivered
     assert_same(want, wire.decode(bytes(got)))
 
@@ -439,6 +447,31 @@ def test_a_big_piece_is_summed_part_by_part_and_dropped_when_a_freeze_overtakes_
         assert SUM.unpack(again[5 * i + 4])[0] == CRC32.of(piece)
         data += piece
     assert data == b"".join(bytes(T.byte_view(want[k])) for k in ["t1", "t2", "t3"])
+
+
+def test_a_live_piece_still_on_its_way_when_the_freeze_returns_does_not_count_as_delivered() -> None:
+    """A piece of live memory, summed whole, is on its way when the freeze returns and the
+    caller steps: its bytes no longer match its sum, so its receiver fetches the range again
+    from the copy. That piece must not count towards delivery (counted, the state could be
+    withdrawn as delivered before the retry, which then got HTTP 410); the copy's does."""
+    from rallypoint.transports import _tensors as T
+    from rallypoint.transports._crc import CRC32
+    from rallypoint.transports._header import SUM
+
+    sd, want, enc = _live_state(precopy=False)  # 4 tensors of 1 MiB, pieces of 256 KiB
+    stream = enc.iter_data(1 << 20, 2 << 20, 256 << 10)  # tensor 1: each piece summed whole
+    data = next(stream)  # summed, handed to the socket, not yet copied by the kernel
+    assert data.nbytes == 256 << 10
+    enc.freeze(1.0)
+    for t in sd.values():
+        t.add_(1)  # the caller's optimizer step, right after the freeze
+    rest = list(stream)  # the first piece's sum, then three pieces from the copy
+    assert SUM.unpack(rest[0])[0] != CRC32.of(bytes(data))  # the receiver's check fails: it asks again
+    assert not enc.delivered_tensor(1) and not enc.delivered
+    again = list(enc.iter_data(1 << 20, (1 << 20) + (256 << 10), 256 << 10))  # the range again, from the copy
+    assert bytes(again[0]) == bytes(T.byte_view(want["t1"]))[: 256 << 10]
+    assert SUM.unpack(again[1])[0] == CRC32.of(bytes(again[0]))
+    assert enc.delivered_tensor(1)
 
 
 def test_a_big_piece_changed_between_two_parts_outside_an_optimizer_step_never_gets_its_sum() -> None:

@@ -238,6 +238,12 @@ class LiveEncoded(Encoded):
                 # checksum may or may not catch it (it was computed before the send).
                 self._spoil(ti)
                 sent = False
+            if live and self._thawed:
+                # Read from live memory and still on its way when the freeze returned: the
+                # caller may have changed it since, and the receiver's check then fails and
+                # it fetches the range again, from the copy. Counted, the piece could end
+                # the serving (delivered) before that retry; it is the copy's send that counts.
+                sent = False
             if sent and self._sent[ti] < self._need[ti]:
                 self._sent[ti] += 1
                 self._sent_bytes += self._piece_bytes[ti]
@@ -384,7 +390,8 @@ class LiveEncoded(Encoded):
         checksummed (a checksum takes well under a millisecond; ``wait_s`` bounds it):
         a piece whose checksum was taken before the caller changes it can still be on
         its way, but then its bytes fail the receiver's check (it fetches that range
-        again, from the copy); it never arrives torn. ``keep=False`` (the state is
+        again, from the copy); it never arrives torn, and it does not count towards
+        delivery (the copy's send does, or the receiver's ``/done``). ``keep=False`` (the state is
         withdrawn, never served again): retire everything, copy nothing."""
         with self._cv:
             if self.frozen:
