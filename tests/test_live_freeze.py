@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rallypoint.transports import _live, wire
+from rallypoint.transports._crc import CRC32
 from rallypoint.transports._live import LiveEncoded, wait_for_delivery
 from test_http_transport import assert_same
 
@@ -180,3 +181,38 @@ def test_a_freeze_with_nothing_delivered_yet_copies_without_waiting(monkeypatch:
     for t in sd.values():
         t.add_(1)
     assert_same(want, wire.decode(b"".join(bytes(v) for v in enc.iter_stream())))
+
+
+def _drain(enc: LiveEncoded, start: int, end: int) -> None:
+    for _ in enc.iter_data(start, end, sum_kind=CRC32):
+        pass
+
+
+def test_a_piece_sent_twice_does_not_stand_in_for_a_piece_never_sent() -> None:
+    """Delivery is counted piece by piece: a receiver that fetches a range again (its first
+    attempt failed after some pieces left) has those pieces sent twice, and that must not
+    make up for a piece of the same tensor that was never sent (counted per tensor, it
+    did: the tensor was retired at the freeze and the fetch of its last piece got 410)."""
+    sd = {"w": torch.arange(MiB // 4, dtype=torch.float32)}  # one tensor of four 256 KiB pieces
+    enc = LiveEncoded(wire.encode(sd, block=MiB // 4, copy_below=0, sums="inline"), receivers=1)
+    starts = [p[0] for p in enc.pieces]
+    assert len(starts) == 4
+    _drain(enc, starts[0], starts[2])  # pieces 0 and 1
+    _drain(enc, starts[0], starts[3])  # pieces 0, 1 again, and 2: six sends, piece 3 never
+    assert not enc.delivered_tensor(0) and not enc.delivered
+    _drain(enc, starts[3], enc.data_bytes)
+    assert enc.delivered_tensor(0) and enc.delivered
+
+
+def test_small_pieces_count_as_sent_only_once_their_batch_has_left() -> None:
+    """Small tensors travel copied into one batch; a stream dropped before the batch left
+    sent none of them, so none counts towards delivery."""
+    sd = {f"b{i}": torch.full((1024,), float(i)) for i in range(4)}  # 4 KiB each: one batch
+    enc = LiveEncoded(wire.encode(sd, block=MiB, copy_below=0, sums="inline"), receivers=1)
+    stream = enc.iter_data(0, enc.data_bytes, sum_kind=CRC32)
+    batch = next(stream)  # handed out, but its send fails: the connection closes the stream
+    assert batch.nbytes == enc.wire_bytes(0, enc.data_bytes)
+    stream.close()
+    assert not any(enc.delivered_tensor(i) for i in range(4)) and not enc.delivered
+    _drain(enc, 0, enc.data_bytes)
+    assert enc.delivered

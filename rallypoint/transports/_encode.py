@@ -159,8 +159,10 @@ class Encoded:
     def _summed(self, ti: int, live: bool) -> None:
         """The piece of tensor ``ti`` just taken is checksummed (or copied)."""
 
-    def _give_back(self, ti: int, live: bool, sent: bool) -> None:
-        """A piece of tensor ``ti`` was read (``sent``: and sent completely)."""
+    def _give_back(self, pi: int, ti: int, live: bool, sent: bool) -> None:
+        """Piece ``pi`` (of tensor ``ti``) was read (``sent``: and sent completely; a small
+        piece, copied into a batch, is given back unsent once copied, then again, as a copy
+        (``live`` false), once its batch has left)."""
 
     def _unfrozen(self) -> bool:
         """Whether live memory may still be read as it is: no freeze has begun (see
@@ -179,6 +181,7 @@ class Encoded:
         first = bisect.bisect_left(self._piece_starts, start)
         last = bisect.bisect_left(self._piece_starts, end)
         small = bytearray()  # small pieces (and their sums) travel together (one copy)
+        batched: list[tuple[int, int]] = []  # (piece, tensor) copied into ``small``: sent when it has left
         for pi in range(first, last):
             _, ln, ti, st = self.pieces[pi]
             view, live = self._take(ti)
@@ -189,15 +192,18 @@ class Encoded:
                     at = len(small)
                     small += part
                     self._summed(ti, live)
-                    summed = sent = True  # copied: what is sent is what was summed
+                    summed = True  # copied: what is sent is what was summed
                     small += SUM.pack(kind.of(memoryview(small)[at:]))
+                    batched.append((pi, ti))
                     if len(small) >= self.block:
                         yield memoryview(bytes(small))
                         small.clear()
+                        self._batch_sent(batched)
                     continue
                 if small:
                     yield memoryview(bytes(small))
                     small.clear()
+                    self._batch_sent(batched)
                 if ln <= sub or (live and not self._unfrozen()):
                     # One part, or a freeze under way (it waits for this): summed whole before
                     # it is sent, so a change after the freeze fails the receiver's check.
@@ -228,9 +234,17 @@ class Encoded:
             finally:
                 if not summed:
                     self._summed(ti, live)
-                self._give_back(ti, live, sent)
+                self._give_back(pi, ti, live, sent)
         if small:
             yield memoryview(bytes(small))
+            self._batch_sent(batched)
+
+    def _batch_sent(self, batched: list[tuple[int, int]]) -> None:
+        """The batch of small pieces ``batched`` has left: each counts as sent (a copy:
+        what left is what was summed), then the list is emptied for the next batch."""
+        for pi, ti in batched:
+            self._give_back(pi, ti, False, True)
+        batched.clear()
 
     def iter_stream(self, piece: int = DEFAULT_BLOCK) -> Iterator[memoryview]:
         """The whole stream: header, then the data."""

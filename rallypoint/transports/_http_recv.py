@@ -2,7 +2,8 @@
 or striped over several.
 
 One source: the header, then the data in ranges over ``num_chunks`` connections, each
-range verified as it arrives and retried (up to ``retries`` times) when it fails.
+range verified as it arrives and retried (up to ``retries`` times) when it fails, from
+its first block not yet verified.
 
 Striped (``metadata`` lists several base URLs, comma-separated, the assigned source
 first): every source holds the same state (they committed the same steps), so the
@@ -274,16 +275,24 @@ class Receive:
                         return
                     rng = todo.popleft()
                     writing[0] += 1
+                at = [rng[0]]  # where the range's first piece not yet verified starts
                 try:
                     try:
-                        self._fetch_range(conn, src, sink, rng, stop)
+                        self._fetch_range(conn, src, sink, rng, stop, at)
                     finally:
                         with cv:
                             writing[0] -= 1
                             cv.notify_all()
                 except (OSError, HTTPException, wire.WireError, TransferError) as exc:
                     with cv:
-                        todo.appendleft(rng)
+                        # Fetched again from its first piece not yet verified: the pieces
+                        # before it are in place and checked, and a live sender may have
+                        # retired their tensors once it sent them (HTTP 410 to fetching them again).
+                        if at[0] >= rng[1]:  # every piece verified: the failure came after (releasing the reply)
+                            left[0] -= 1
+                            cv.notify_all()
+                            continue
+                        todo.appendleft((at[0], rng[1]))
                         src.failures += 1
                         fatal = isinstance(exc, SourceRefused) or src.failures > t._retries
                         cv.notify_all()
@@ -291,7 +300,8 @@ class Receive:
                         errors.append(exc)
                         stop.set()
                         return
-                    logger.warning("%s: range %s failed (%d): %s", src.where, rng, src.failures, exc)
+                    logger.warning("%s: range %s failed (%d): %s%s", src.where, rng, src.failures, exc,
+                                   f" (resumed from {at[0]})" if at[0] > rng[0] else "")
                     if fatal:
                         self._drop(src, f"{type(exc).__name__}: {exc}", refused=isinstance(exc, SourceRefused))
                         errors.append(exc)
@@ -349,8 +359,9 @@ class Receive:
             logger.info("%s: ranges per source %s", self.where, served)
 
     def _fetch_range(self, conn: Connection, src: _Source, sink: wire.Sink, rng: tuple[int, int],
-                     stop: threading.Event) -> None:
-        """Range ``rng`` from ``src`` over ``conn``, read straight into the sink's tensors."""
+                     stop: threading.Event, at: list[int]) -> None:
+        """Range ``rng`` from ``src`` over ``conn``, read straight into the sink's tensors;
+        ``at[0]`` follows where its first piece not yet verified starts (where a retry resumes)."""
         start, end = rng
         deadline = self.deadline
         what = f"{src.where}: range [{start}, {end})"
@@ -373,6 +384,7 @@ class Receive:
         try:
             w.pull(conn.body_reader(reply, deadline, what, stop))
         except BaseException:
+            at[0] = w.verified_to
             conn.close()
             raise
         if stop.is_set():

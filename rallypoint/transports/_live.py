@@ -37,7 +37,13 @@ The rules (:class:`LiveEncoded`):
   summed part by part as its parts are sent (:meth:`Encoded._iter_inline`); the freeze
   does not wait for it, and a stream that finds the state frozen after the last part
   ends there instead of sending the sum (``Overtaken``), since the caller may have changed
-  the memory between two parts: the receiver fetches that range again, from the copy. The transport freezes in
+  the memory between two parts: the receiver fetches the rest of that range again (from
+  its first piece not yet verified), from the copy. Delivery is counted piece by piece,
+  each piece at most once per expected receiver (a piece sent again, to a receiver that
+  retries, does not stand in for one never sent). With several receivers, one that gets a
+  piece twice (its connection dropped with the piece on its way) still counts for one
+  that has not had it: that one finds the tensor retired after the sender's step (HTTP
+  410) and heals again. The transport freezes in
   ``disallow_checkpoint`` (the Manager's ``should_commit``, right before the optimizer
   may step, for a state served from the quorum thread; a live state no receiver has asked
   for yet is withdrawn instead, never copied; a state already frozen is left as it is)
@@ -142,6 +148,10 @@ class LiveEncoded(Encoded):
             npieces[ti] += 1
         self._need = [k * max(1, receivers) for k in npieces]
         self._sent = [0] * n
+        # Sends per piece, each counted up to the number of receivers: a piece sent twice
+        # (a retried range, a receiver's piece lost with its dropped connection) does not
+        # stand in for another piece of its tensor that was never sent.
+        self._piece_sent = [0] * len(self.pieces)
         # Delivery so far, for the freeze's choice between copying and waiting: bytes per
         # piece of each tensor (its pieces are equal but for the last), bytes sent, the
         # bytes every receiver needs in all, and when the first read began.
@@ -230,7 +240,7 @@ class LiveEncoded(Encoded):
                 self._summing[ti] -= 1
                 self._cv.notify_all()
 
-    def _give_back(self, ti: int, live: bool, sent: bool) -> None:
+    def _give_back(self, pi: int, ti: int, live: bool, sent: bool) -> None:
         complete = False
         with self._cv:
             if live and not self.frozen and self._changed(ti):
@@ -244,7 +254,8 @@ class LiveEncoded(Encoded):
                 # it fetches the range again, from the copy. Counted, the piece could end
                 # the serving (delivered) before that retry; it is the copy's send that counts.
                 sent = False
-            if sent and self._sent[ti] < self._need[ti]:
+            if sent and self._piece_sent[pi] < self._receivers:
+                self._piece_sent[pi] += 1
                 self._sent[ti] += 1
                 self._sent_bytes += self._piece_bytes[ti]
                 if self._sent[ti] == self._need[ti]:

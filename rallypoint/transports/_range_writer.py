@@ -38,7 +38,8 @@ class RangeWriter:
     Each piece is verified as soon as it is complete: against the header's checksum, or,
     in an inline-checksum stream, against the 4 bytes that follow the piece on the wire,
     of kind ``sum_kind`` (what the source said it sent; the header's checksums are always
-    CRC-32). A failed range may be retried with a new writer for the same range.
+    CRC-32). A failed range may be retried with a new writer for the same range, or for
+    its rest from :attr:`verified_to`.
     """
 
     def __init__(self, sink: Sink, start: int, end: int, sum_kind: SumKind = CRC32) -> None:
@@ -67,6 +68,12 @@ class RangeWriter:
         self._crc: Any = None  # running sum of piece _pi's bytes [0, _fill), when summed as read
         #: bytes still expected on the wire for this range (data, plus inline checksums)
         self.wire_left = h.wire_bytes(start, end)
+
+    @property
+    def verified_to(self) -> int:
+        """Where the range's first piece not yet verified starts (its end once all are):
+        the pieces before it are in place and checked, so a retry resumes there."""
+        return self.sink.header.pieces[self._pi][0] if self._pi < self._last else self.end
 
     def _piece(self, pi: int) -> memoryview:
         _, ln, ti, st, _ = self.sink.header.pieces[pi]

@@ -108,7 +108,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         block: the checksum block (4 MiB: a quarter of the per-block work of the wire
             format's 1 MiB default, which in bench/heal_stall.py cut the sender's step-time
             loss while serving from ~50 to ~17 ms per GB).
-        retries: extra attempts per failed range (against the same source).
+        retries: extra attempts per failed range (against the same source), each from
+            the range's first block not yet verified.
         max_state_bytes: the largest state this receiver accepts (checked on the header,
             before anything is allocated; default :func:`default_max_state_bytes`).
         publish_wait: how long a receiver keeps asking a source that serves nothing yet
