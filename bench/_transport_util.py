@@ -32,7 +32,8 @@ CASES = {
 #: From this state size on, one receiver process at a time (start, warm-up + repeats,
 #: stop, next contender): ~6 receivers of 4 GB each plus the sender do not fit in 24 GiB.
 SEQUENTIAL_FROM_BYTES = 2 << 30
-CONTENDERS = ["rallypoint", "rp_inplace", "rp_into", "rp_into_crc", "torchft0", "torchft4", "socket", "socket_inplace", "socket4",
+CONTENDERS = ["rallypoint", "rp_inplace", "rp_into", "rp_into_crc", "rp_into_nosum", "torchft0", "torchft4",
+              "socket", "socket_inplace", "socket4",
               "rp_pg", "rp_pg_inplace", "torchft_pg"]
 PG_CONTENDERS = ("rp_pg", "rp_pg_inplace", "torchft_pg")
 #: the plain-socket contenders (they all dial the sender's one socket port)
@@ -250,6 +251,9 @@ RATIOS = [
     ("into_vs_torchft0", "torchft0", "rp_into", "median_s"),
     ("into_of_socket_inplace", "socket_inplace", "rp_into", "median_s"),
     ("into_crc_vs_into", "rp_into_crc", "rp_into", "median_s"),  # > 1: XXH3 sums faster than CRC-32
+    ("into_nosum_vs_torchft0", "torchft0", "rp_into_nosum", "median_s"),  # both trust the connection
+    ("into_nosum_of_socket_inplace", "socket_inplace", "rp_into_nosum", "median_s"),
+    ("into_nosum_of_socket4", "socket4", "rp_into_nosum", "median_s"),
     ("socket4_vs_socket_inplace", "socket_inplace", "socket4", "median_s"),
     ("first_fetch_rallypoint_vs_torchft0", "torchft0", "rallypoint", "first_s"),
     ("first_fetch_inplace_vs_torchft0", "torchft0", "rp_inplace", "first_s"),
@@ -277,9 +281,10 @@ def case_ratios(rs: dict[str, Any]) -> dict[str, Any]:
     if best is not None and "rp_inplace" in rs:
         out["inplace_of_best_socket"] = rs[best]["median_s"] / rs["rp_inplace"]["median_s"]
         out["best_inplace_socket"] = best
-    if best is not None and "rp_into" in rs:
-        out["into_of_best_socket"] = rs[best]["median_s"] / rs["rp_into"]["median_s"]
-        out["best_inplace_socket"] = best
+    for c, key in (("rp_into", "into_of_best_socket"), ("rp_into_nosum", "into_nosum_of_best_socket")):
+        if best is not None and c in rs:
+            out[key] = rs[best]["median_s"] / rs[c]["median_s"]
+            out["best_inplace_socket"] = best
     return out
 
 
@@ -331,7 +336,8 @@ def case_goals(rt: dict[str, Any]) -> dict[str, bool]:
     """The issue's goals for one case: HTTP receive >= 1.3x torchft(0) and >= 80% of the socket ceiling."""
     checks = {"rallypoint_vs_torchft0": GOAL_VS_TORCHFT, "inplace_vs_torchft0": GOAL_VS_TORCHFT,
               "into_vs_torchft0": GOAL_VS_TORCHFT, "rallypoint_of_socket": GOAL_OF_SOCKET,
-              "inplace_of_best_socket": GOAL_OF_SOCKET, "into_of_best_socket": GOAL_OF_SOCKET}
+              "inplace_of_best_socket": GOAL_OF_SOCKET, "into_of_best_socket": GOAL_OF_SOCKET,
+              "into_nosum_vs_torchft0": GOAL_VS_TORCHFT, "into_nosum_of_best_socket": GOAL_OF_SOCKET}
     return {k: rt[k] >= bound for k, bound in checks.items() if k in rt}
 
 
@@ -370,6 +376,8 @@ def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, lo
                 _fmt(rt, "inplace_of_socket4", ".0%", "rp_inplace of socket4"),
                 _fmt(rt, "into_vs_torchft0", ".2f", "rp_into x torchft(0)"),
                 _fmt(rt, "into_of_socket_inplace", ".0%", "rp_into of socket_inplace"),
+                _fmt(rt, "into_nosum_vs_torchft0", ".2f", "rp_into_nosum x torchft(0)"),
+                _fmt(rt, "into_nosum_of_socket_inplace", ".0%", "rp_into_nosum of socket_inplace"),
                 _fmt(rt, "socket4_vs_socket_inplace", ".2f", "socket4 x socket_inplace"),
                 _fmt(rt, "first_fetch_rallypoint_vs_torchft0", ".2f", "first fetch: rallypoint x torchft(0)"),
                 _fmt(rt, "first_fetch_inplace_vs_torchft0", ".2f", "first fetch: rp_inplace x torchft(0)"),
@@ -388,7 +396,10 @@ def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, lo
                     ("inplace_of_best_socket", f"rp_inplace of {rt.get('best_inplace_socket')} (best in-place "
                                                "socket ceiling)", ".1%"),
                     ("into_vs_torchft0", "rp_into / torchft(0)", ".2f"),
-                    ("into_of_best_socket", f"rp_into of {rt.get('best_inplace_socket')}", ".1%")) if k in goals]
+                    ("into_of_best_socket", f"rp_into of {rt.get('best_inplace_socket')}", ".1%"),
+                    ("into_nosum_vs_torchft0", "rp_into_nosum / torchft(0)", ".2f"),
+                    ("into_nosum_of_best_socket", f"rp_into_nosum of {rt.get('best_inplace_socket')}", ".1%"))
+                    if k in goals]
                 print(f"{case:<10}goals: HTTP receive >= {GOAL_VS_TORCHFT}x torchft(0) and >= {GOAL_OF_SOCKET:.0%} of "
                       "the socket ceiling: " + ", ".join(f"{lab} {rt[k]:{f}} {'met' if goals[k] else 'NOT met'}"
                                                          for k, lab, f in shown))

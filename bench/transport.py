@@ -18,7 +18,9 @@ arrive (``in_place=True``: a broken transfer leaves it torn); ``rp_into`` receiv
 the same held state without ever tearing it (``into=`` alone, what the Manager's heal on
 the training thread does): into buffers kept from the previous fetch, landed by swapping
 memory once every byte verified (``rallypoint/transports/_pool.py``), with XXH3 inline sums
-(the default); ``rp_into_crc`` is the same asking for CRC-32 sums (an older peer's).
+(the default); ``rp_into_crc`` is the same asking for CRC-32 sums (an older peer's), and
+``rp_into_nosum`` asking for none (``checksum="none"``, opt-in: the bytes trusted to the
+connection, as torchft's are).
 
 The plain-socket ceiling (``_transport_util``: the receiver asks for a part, the sender
 ``sendall``s its tensors' bytes, the receiver ``recv_into``s each tensor in order):
@@ -271,13 +273,15 @@ def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = Non
         t = HTTPTransport(TIMEOUT, bind="127.0.0.1:0")
         template = zeros_state(case)
         fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT, into=template, in_place=True)  # noqa: E731
-    elif contender in ("rp_into", "rp_into_crc"):
+    elif contender in ("rp_into", "rp_into_crc", "rp_into_nosum"):
         # The Manager's heal on the training thread: into the state it holds, nothing written
         # before every byte verified; warm buffers kept between fetches, landed by swapping.
-        # rp_into asks for XXH3 inline sums (the default), rp_into_crc for CRC-32.
+        # rp_into asks for XXH3 inline sums (the default), rp_into_crc for CRC-32,
+        # rp_into_nosum for none (checksum="none": torchft's integrity, the connection's).
         from rallypoint.transports.http import HTTPTransport
 
-        t = HTTPTransport(TIMEOUT, bind="127.0.0.1:0", checksum="crc32" if contender == "rp_into_crc" else None)
+        checksum = {"rp_into_crc": "crc32", "rp_into_nosum": "none"}.get(contender)
+        t = HTTPTransport(TIMEOUT, bind="127.0.0.1:0", checksum=checksum)
         template = zeros_state(case)
         fetch = lambda: t.recv_checkpoint(0, addr, 1, TIMEOUT, into=template)  # noqa: E731
     elif contender.startswith("rp_pg"):
@@ -448,6 +452,7 @@ def _run_cases(a: argparse.Namespace, cases: list[str], contenders: list[str], e
 def _start_receiver(case: str, c: str, addrs: dict[str, Any], env: dict[str, str],
                     tls_args: list[str]) -> subprocess.Popen[str]:
     addr = addrs[{"rp_inplace": "rallypoint", "rp_into": "rallypoint", "rp_into_crc": "rallypoint",
+                  "rp_into_nosum": "rallypoint",
                   TLS_INPLACE: TLS_CONTENDER}.get(c, c)]
     extra = tls_args if c in TLS_CONTENDERS else []
     r = child(["--role", "receiver", "--case", case, "--contender", c, "--addr", str(addr), *extra], env)

@@ -5,11 +5,14 @@ on 127.0.0.1; the "older release" is our server with the kind negotiation taken 
 
 from __future__ import annotations
 
+import copy
 import io
 import os
+import queue
 import struct
+import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -53,7 +56,7 @@ class SaysKind(HTTPTransport):
 
 
 # ------------------------------------------------------------------ the kinds themselves
-@pytest.mark.parametrize("name", sorted(_crc.SUM_KINDS))
+@pytest.mark.parametrize("name", sorted(k for k, v in _crc.SUM_KINDS.items() if v.verifies))
 @pytest.mark.parametrize("cuts", [(), (1,), (3, 4096), (65536, 65537, 100_000)])
 def test_a_running_sum_equals_the_one_shot_sum_wherever_the_reads_are_cut(name: str, cuts: tuple[int, ...]) -> None:
     kind = _crc.SUM_KINDS[name]
@@ -75,10 +78,13 @@ def test_the_kinds_are_crc32_and_xxh3_and_an_unknown_name_is_none() -> None:
     assert _crc.kind_named(None) is _crc.CRC32 and _crc.kind_named("") is _crc.CRC32  # a source that names none
     assert _crc.kind_named("xxh3") is _crc.XXH3 and _crc.fastest() is _crc.XXH3
     assert _crc.kind_named("md5") is None and _crc.kind_named("x" * 10_000) is None
+    none = _crc.kind_named("none")  # opt-in: a constant in each sum's place
+    assert none is _crc.NONE and not none.verifies and none.of(b"a") == none.of(b"b") == 0
+    assert all(k.verifies for k in (_crc.CRC32, _crc.XXH3))
 
 
 def test_an_unknown_checksum_is_refused_at_construction() -> None:
-    with pytest.raises(ValueError, match="checksum='md5': this process knows crc32, xxh3"):
+    with pytest.raises(ValueError, match="checksum='md5': this process knows crc32, xxh3, none"):
         HTTPTransport(TEN, bind="127.0.0.1:0", checksum="md5")
 
 
@@ -192,3 +198,92 @@ def test_a_source_that_names_the_wrong_kind_fails_the_checksum(transports: Calla
     src.send_checkpoint([1], 1, make_state(4), TEN)
     with pytest.raises(TransferError, match="checksum mismatch"):
         dst.recv_checkpoint(0, src.metadata(), 1, timedelta(seconds=3))
+
+
+# ------------------------------------------------------------------ no sums (opt-in)
+def test_no_sums_is_the_receivers_choice_and_delivers_the_state(transports: Callable[..., HTTPTransport]) -> None:
+    src = transports(**SMALL_BLOCKS)
+    dst = transports(checksum="none", **MANY_RANGES)
+    sd = make_state(6)
+    src.send_checkpoint([1], 1, sd, TEN)
+    into = zeros_like_state(sd)
+    dst.recv_checkpoint(0, src.metadata(), 1, TEN, into=into)
+    assert_same(sd, into)
+    raw = httpx.get(f"{src.metadata()}/checkpoint/1/header", timeout=5).content
+    header = wire.read_header(io.BytesIO(raw).readinto)
+    start, ln = header.pieces[0][0], header.pieces[0][1]
+    r = httpx.get(f"{src.metadata()}/checkpoint/1/data", params={"start": start, "end": start + ln, "sum": "none"},
+                  timeout=5)
+    assert r.status_code == 200 and r.headers[SUM_HEADER] == "none"
+    assert len(r.content) == ln + 4 and r.content[ln:] == b"\0\0\0\0"  # the marker in the sum's place
+
+
+@pytest.mark.parametrize("checksum", [None, "crc32"])
+def test_a_receiver_that_asked_for_sums_refuses_a_source_that_sent_none(
+        transports: Callable[..., HTTPTransport], checksum: str | None) -> None:
+    src = transports(SaysKind, **SMALL_BLOCKS)
+    src.said = "none"  # type: ignore[attr-defined]
+    dst = transports(timeout=timedelta(seconds=3), checksum=checksum, **MANY_RANGES)
+    sd = make_state(10)
+    src.send_checkpoint([1], 1, sd, TEN)
+    into = zeros_like_state(sd)
+    with pytest.raises(TransferError, match="the source sent no sums, and this receiver asked for"):
+        dst.recv_checkpoint(0, src.metadata(), 1, timedelta(seconds=3), into=into)
+    assert all(not t.any() for t in into["model"].values() if isinstance(t, torch.Tensor))
+
+
+class _HoldBeforeSend(HTTPTransport):
+    """Holds the first big part of live memory after it was read out of the sender's
+    generator (taken, and summed where a sum covers it whole) and before it is sent,
+    until ``go`` is set: the moment a freeze can return and the caller change it."""
+
+    def __init__(self, *a: Any, part: int, **kw: Any) -> None:
+        self.part = part
+        self.held, self.go = threading.Event(), threading.Event()
+        super().__init__(*a, **kw)
+
+    def _pieces(self, *a: Any) -> Iterator[memoryview]:
+        for piece in super()._pieces(*a):
+            if piece.nbytes == self.part and not self.held.is_set():
+                self.held.set()
+                assert self.go.wait(10), "the test never let the stream go on"
+            yield piece
+
+
+@pytest.mark.parametrize("checksum", [None, "none"])
+def test_a_live_piece_changed_after_the_freeze_is_never_taken_whole_with_or_without_sums(
+        transports: Callable[..., HTTPTransport], monkeypatch: pytest.MonkeyPatch, checksum: str | None) -> None:
+    """A piece of live memory (one part: summed whole, where there are sums) is on its way
+    when the sender freezes and changes its state. With sums, the receiver's check fails
+    and it fetches the piece again from the copy; without sums, the piece goes part by part
+    and its end check drops the stream instead of sending the marker. Either way the
+    receiver gets the state as served."""
+    from rallypoint.transports import http as http_mod
+
+    monkeypatch.setattr(http_mod, "SEND_PIECE", 64 << 10)
+    src = transports(_HoldBeforeSend, part=64 << 10, block=64 << 10, copy_below=0)
+    dst = transports(num_chunks=1, checksum=checksum)
+    sd = make_state(14, n=2, numel=1 << 16)  # two 256 KiB tensors: pieces of one part each
+    want = copy.deepcopy(sd)
+    src.send_checkpoint([1], 1, sd, TEN)
+    result: queue.Queue[Any] = queue.Queue()
+
+    def receive() -> None:
+        try:
+            result.put(dst.recv_checkpoint(0, src.metadata(), 1, TEN))
+        except Exception as exc:  # handed to the test thread
+            result.put(exc)
+
+    th = threading.Thread(target=receive)
+    th.start()
+    assert isinstance(src, _HoldBeforeSend) and src.held.wait(10)
+    src.disallow_checkpoint()
+    with torch.no_grad():
+        for t in sd["model"].values():
+            if t.is_floating_point():
+                t.add_(1)
+    src.go.set()
+    th.join(10)
+    got = result.get(timeout=1)
+    assert not isinstance(got, Exception), got
+    assert_same(want, got)

@@ -204,7 +204,8 @@ class Encoded:
                     yield memoryview(bytes(small))
                     small.clear()
                     self._batch_sent(batched)
-                if ln <= sub or (live and not self._unfrozen()):
+                checked = live and not kind.verifies  # no sum to catch a change: the end check must
+                if not checked and (ln <= sub or (live and not self._unfrozen())):
                     # One part, or a freeze under way (it waits for this): summed whole before
                     # it is sent, so a change after the freeze fails the receiver's check.
                     crc = kind.of(part)
@@ -220,6 +221,8 @@ class Encoded:
                 if live:
                     # The freeze need not wait for this piece: the end check drops it if a
                     # freeze overtook it or its tensor changed in place (``_parts_sent``).
+                    if checked:
+                        self._parts_sent(ti)  # without sums, not even begun once a freeze has
                     self._summed(ti, live)
                     summed = True
                 state = kind.begin()

@@ -380,6 +380,10 @@ class Receive:
             conn.close()
             raise wire.WireError(f"range [{start}, {end}): the source's sums are of kind {(said or '')[:40]!r}, "
                                  f"which this receiver does not know (it knows {', '.join(SUM_KINDS)})")
+        if not kind.verifies and self.t.sum_kind.verifies:
+            conn.close()
+            raise wire.WireError(f"range [{start}, {end}): the source sent no sums, and this receiver asked for "
+                                 f"{self.t.sum_kind.name} (HTTPTransport(checksum='none') is the receiver's choice)")
         w = sink.writer(start, end, kind)
         try:
             w.pull(conn.body_reader(reply, deadline, what, stop))
