@@ -287,3 +287,20 @@ def test_a_live_piece_changed_after_the_freeze_is_never_taken_whole_with_or_with
     got = result.get(timeout=1)
     assert not isinstance(got, Exception), got
     assert_same(want, got)
+
+
+def test_the_environment_chooses_the_sums_when_the_constructor_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RALLYPOINT_HEAL_CHECKSUM", "none")
+    t = HTTPTransport(TEN, bind="127.0.0.1:0")
+    try:
+        assert t.sum_kind is _crc.NONE
+    finally:
+        t.shutdown()
+    t = HTTPTransport(TEN, bind="127.0.0.1:0", checksum="crc32")  # the argument wins
+    try:
+        assert t.sum_kind is _crc.CRC32
+    finally:
+        t.shutdown()
+    monkeypatch.setenv("RALLYPOINT_HEAL_CHECKSUM", "md5")
+    with pytest.raises(ValueError, match="RALLYPOINT_HEAL_CHECKSUM='md5': this process knows"):
+        HTTPTransport(TEN, bind="127.0.0.1:0")

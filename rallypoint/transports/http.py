@@ -56,6 +56,7 @@ tensors) plus, with ``into=`` and ``in_place=False``, the target until the copy.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -85,6 +86,9 @@ from rallypoint.transports._http_util import (  # noqa: F401 - re-exported
 from rallypoint.transports.base import CheckpointTransport
 
 logger = logging.getLogger("rallypoint.transports.http")
+
+#: The kind of inline sum receives ask for when the constructor names none.
+CHECKSUM_ENV = "RALLYPOINT_HEAL_CHECKSUM"
 
 #: Largest piece written per sendall: lets an abort land fast.
 SEND_PIECE = 1 << 20
@@ -142,7 +146,9 @@ class HTTPTransport(CheckpointTransport[Any]):
             checksum only), which saves both ends a pass over the state (about 0.1 s of
             sender CPU per GB here). A live piece is still never taken whole when the
             sender's step overtook it. A source never sends no sums unasked: a receiver
-            that asked for sums refuses such a reply.
+            that asked for sums refuses such a reply. Default: ``RALLYPOINT_HEAL_CHECKSUM``
+            where set (so ``rallypoint run`` and the Manager's own transport can be told),
+            else the fastest known.
     """
 
     #: A connection must finish its TLS handshake and each request head within this.
@@ -171,9 +177,12 @@ class HTTPTransport(CheckpointTransport[Any]):
         precopy: bool = False,
         checksum: str | None = None,
     ) -> None:
+        said = "checksum"
+        if checksum is None and os.environ.get(CHECKSUM_ENV):
+            checksum, said = os.environ[CHECKSUM_ENV], CHECKSUM_ENV
         kind = fastest() if checksum is None else SUM_KINDS.get(checksum)
         if kind is None:
-            raise ValueError(f"checksum={checksum!r}: this process knows {', '.join(SUM_KINDS)}"
+            raise ValueError(f"{said}={checksum!r}: this process knows {', '.join(SUM_KINDS)}"
                              + ("" if "xxh3" in SUM_KINDS else " (xxh3 needs the xxhash package)"))
         #: the kind of inline sum a receive asks its sources for
         self.sum_kind: SumKind = kind
