@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +31,7 @@ from test_http_transport import (  # noqa: F401 - the fixture is used by name
     make_state,
     transports,
 )
+from live_heal import HoldPart, step_during_heal
 
 
 def test_live_disallow_does_not_wait_for_a_stalled_receiver(transports: Callable[..., HTTPTransport]) -> None:
@@ -493,22 +494,6 @@ def test_a_big_piece_changed_between_two_parts_outside_an_optimizer_step_never_g
         next(enc.iter_data(2 << 20, 3 << 20, 64 << 10))
 
 
-class _PauseMidPiece(Faulty):
-    """Holds the first stream that has sent part of a big piece until ``go`` is set."""
-
-    def __init__(self, *a: Any, part: int, **kw: Any) -> None:
-        self.part = part
-        self.mid, self.go = threading.Event(), threading.Event()
-        super().__init__(*a, **kw)
-
-    def _pieces(self, *a: Any) -> Iterator[memoryview]:
-        for piece in super()._pieces(*a):
-            yield piece
-            if piece.nbytes == self.part and not self.mid.is_set():
-                self.mid.set()
-                assert self.go.wait(10), "the test never let the stream go on"
-
-
 def test_a_heal_overtaken_by_the_senders_step_mid_piece_still_gets_the_state_as_served(
         transports: Callable[..., HTTPTransport], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -521,22 +506,12 @@ def test_a_heal_overtaken_by_the_senders_step_mid_piece_still_gets_the_state_as_
     from rallypoint.transports import http as http_mod
 
     monkeypatch.setattr(http_mod, "SEND_PIECE", 64 << 10)
-    src = transports(_PauseMidPiece, part=64 << 10, block=256 << 10, copy_below=0)
+    src = transports(HoldPart, part=64 << 10, block=256 << 10, copy_below=0)
     dst = transports(num_chunks=2)
     sd = make_state(11, n=4, numel=1 << 18)  # four 1 MiB tensors: pieces of four parts
     want = copy_mod.deepcopy(sd)
     src.send_checkpoint([1], 1, sd, TEN)
-    result: queue.Queue[Any] = queue.Queue()
-    th = threading.Thread(target=lambda: result.put(dst.recv_checkpoint(0, src.metadata(), 1, TEN)))
-    th.start()
-    assert isinstance(src, _PauseMidPiece) and src.mid.wait(10)
+    assert isinstance(src, HoldPart)
     with caplog.at_level(logging.INFO, logger="rallypoint"):
-        src.disallow_checkpoint()
-        with torch.no_grad():
-            for t in sd["model"].values():
-                if t.is_floating_point():
-                    t.add_(1)
-        src.go.set()
-        th.join(10)
-        assert_same(want, result.get(timeout=1))
+        assert_same(want, step_during_heal(src, dst, sd, src.held, src.go, TEN))
     assert "frozen while a piece of it was sent" in caplog.text

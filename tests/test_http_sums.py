@@ -8,11 +8,9 @@ from __future__ import annotations
 import copy
 import io
 import os
-import queue
 import struct
-import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +25,7 @@ from rallypoint.transports._http_serve import Reply, Request
 from rallypoint.transports.http import HTTPTransport, TransferError
 from test_http_transport import (  # noqa: F401 - the fixture is used by name
     MANY_RANGES, SMALL_BLOCKS, Faulty, assert_same, make_state, transports, zeros_like_state)
+from live_heal import HoldPart, step_during_heal
 
 TEN = timedelta(seconds=10)
 pytestmark = pytest.mark.skipif(_crc.XXH3 is None, reason="the xxhash package (a dependency) is not installed")
@@ -178,14 +177,20 @@ def test_a_flipped_bit_fails_the_range_under_either_kind_and_the_retry_delivers(
     assert isinstance(src, Faulty) and src.requests > 2  # the two flipped ranges were fetched again
 
 
-def test_a_source_naming_an_unknown_kind_is_refused_and_the_target_is_untouched(
-        transports: Callable[..., HTTPTransport]) -> None:
+@pytest.mark.parametrize("said, checksum, match", [
+    ("sha-512", None, "sums are of kind 'sha-512', which this receiver does not know"),
+    ("none", None, "the source sent no sums, and this receiver asked for xxh3"),  # never taken unasked
+    ("none", "crc32", "the source sent no sums, and this receiver asked for crc32"),
+])
+def test_a_source_whose_sums_the_receiver_cannot_use_is_refused_and_the_target_is_untouched(
+        transports: Callable[..., HTTPTransport], said: str, checksum: str | None, match: str) -> None:
     src = transports(SaysKind, **SMALL_BLOCKS)
-    dst = transports(timeout=timedelta(seconds=3), **MANY_RANGES)
+    src.said = said  # type: ignore[attr-defined]
+    dst = transports(timeout=timedelta(seconds=3), checksum=checksum, **MANY_RANGES)
     sd = make_state(9)
     src.send_checkpoint([1], 1, sd, TEN)
     into = zeros_like_state(sd)
-    with pytest.raises(TransferError, match="sums are of kind 'sha-512', which this receiver does not know"):
+    with pytest.raises(TransferError, match=match):
         dst.recv_checkpoint(0, src.metadata(), 1, timedelta(seconds=3), into=into)
     assert all(not t.any() for t in into["model"].values() if isinstance(t, torch.Tensor))
 
@@ -218,38 +223,6 @@ def test_no_sums_is_the_receivers_choice_and_delivers_the_state(transports: Call
     assert len(r.content) == ln + 4 and r.content[ln:] == b"\0\0\0\0"  # the marker in the sum's place
 
 
-@pytest.mark.parametrize("checksum", [None, "crc32"])
-def test_a_receiver_that_asked_for_sums_refuses_a_source_that_sent_none(
-        transports: Callable[..., HTTPTransport], checksum: str | None) -> None:
-    src = transports(SaysKind, **SMALL_BLOCKS)
-    src.said = "none"  # type: ignore[attr-defined]
-    dst = transports(timeout=timedelta(seconds=3), checksum=checksum, **MANY_RANGES)
-    sd = make_state(10)
-    src.send_checkpoint([1], 1, sd, TEN)
-    into = zeros_like_state(sd)
-    with pytest.raises(TransferError, match="the source sent no sums, and this receiver asked for"):
-        dst.recv_checkpoint(0, src.metadata(), 1, timedelta(seconds=3), into=into)
-    assert all(not t.any() for t in into["model"].values() if isinstance(t, torch.Tensor))
-
-
-class _HoldBeforeSend(HTTPTransport):
-    """Holds the first big part of live memory after it was read out of the sender's
-    generator (taken, and summed where a sum covers it whole) and before it is sent,
-    until ``go`` is set: the moment a freeze can return and the caller change it."""
-
-    def __init__(self, *a: Any, part: int, **kw: Any) -> None:
-        self.part = part
-        self.held, self.go = threading.Event(), threading.Event()
-        super().__init__(*a, **kw)
-
-    def _pieces(self, *a: Any) -> Iterator[memoryview]:
-        for piece in super()._pieces(*a):
-            if piece.nbytes == self.part and not self.held.is_set():
-                self.held.set()
-                assert self.go.wait(10), "the test never let the stream go on"
-            yield piece
-
-
 @pytest.mark.parametrize("checksum", [None, "none"])
 def test_a_live_piece_changed_after_the_freeze_is_never_taken_whole_with_or_without_sums(
         transports: Callable[..., HTTPTransport], monkeypatch: pytest.MonkeyPatch, checksum: str | None) -> None:
@@ -261,33 +234,13 @@ def test_a_live_piece_changed_after_the_freeze_is_never_taken_whole_with_or_with
     from rallypoint.transports import http as http_mod
 
     monkeypatch.setattr(http_mod, "SEND_PIECE", 64 << 10)
-    src = transports(_HoldBeforeSend, part=64 << 10, block=64 << 10, copy_below=0)
+    src = transports(HoldPart, part=64 << 10, before=True, block=64 << 10, copy_below=0)
     dst = transports(num_chunks=1, checksum=checksum)
     sd = make_state(14, n=2, numel=1 << 16)  # two 256 KiB tensors: pieces of one part each
     want = copy.deepcopy(sd)
     src.send_checkpoint([1], 1, sd, TEN)
-    result: queue.Queue[Any] = queue.Queue()
-
-    def receive() -> None:
-        try:
-            result.put(dst.recv_checkpoint(0, src.metadata(), 1, TEN))
-        except Exception as exc:  # handed to the test thread
-            result.put(exc)
-
-    th = threading.Thread(target=receive)
-    th.start()
-    assert isinstance(src, _HoldBeforeSend) and src.held.wait(10)
-    src.disallow_checkpoint()
-    with torch.no_grad():
-        for t in sd["model"].values():
-            if t.is_floating_point():
-                t.add_(1)
-    src.go.set()
-    th.join(10)
-    got = result.get(timeout=1)
-    assert not isinstance(got, Exception), got
-    assert_same(want, got)
-
+    assert isinstance(src, HoldPart)
+    assert_same(want, step_during_heal(src, dst, sd, src.held, src.go, TEN))
 
 def test_the_environment_chooses_the_sums_when_the_constructor_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RALLYPOINT_HEAL_CHECKSUM", "none")
