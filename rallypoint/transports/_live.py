@@ -241,6 +241,8 @@ class LiveEncoded(Encoded):
                 self._cv.notify_all()
 
     def _give_back(self, pi: int, ti: int, live: bool, sent: bool) -> None:
+        if not live and not sent:  # a copied piece that did not leave (or is counted when its batch has)
+            return
         complete = False
         with self._cv:
             if live and not self.frozen and self._changed(ti):
