@@ -139,6 +139,8 @@ def test_a_range_asked_with_xxh3_carries_xxh3_sums_and_says_so(transports: Calla
     (HTTPTransport, None, "xxh3"),  # both new: XXH3
     (HTTPTransport, "crc32", "crc32"),  # a receiver that asks for CRC-32 gets it
     (OldSource, None, "crc32"),  # an older source: CRC-32, and the receiver verifies that
+    (HTTPTransport, "none", "none"),  # no sums, asked for (opt-in)
+    (OldSource, "none", "crc32"),  # an older source does not know none: CRC-32, verified
 ])
 def test_every_mix_of_source_and_receiver_delivers_the_state(
         transports: Callable[..., HTTPTransport], src_cls: type[HTTPTransport], checksum: str | None,
