@@ -288,10 +288,6 @@ class Receive:
                         # Fetched again from its first piece not yet verified: the pieces
                         # before it are in place and checked, and a live sender may have
                         # retired their tensors once it sent them (HTTP 410 to fetching them again).
-                        if at[0] >= rng[1]:  # every piece verified: the failure came after (releasing the reply)
-                            left[0] -= 1
-                            cv.notify_all()
-                            continue
                         todo.appendleft((at[0], rng[1]))
                         src.failures += 1
                         fatal = isinstance(exc, SourceRefused) or src.failures > t._retries

@@ -72,7 +72,9 @@ class RangeWriter:
     @property
     def verified_to(self) -> int:
         """Where the range's first piece not yet verified starts (its end once all are):
-        the pieces before it are in place and checked, so a retry resumes there."""
+        the pieces before it are in place and checked, so a retry resumes there. After
+        :meth:`pull` or :meth:`write` raised it is before the range's end: they raise only
+        while a piece is still incomplete."""
         return self.sink.header.pieces[self._pi][0] if self._pi < self._last else self.end
 
     def _piece(self, pi: int) -> memoryview:
