@@ -345,9 +345,12 @@ def _fmt(rt: dict[str, Any], key: str, fmt: str, label: str) -> str:
     return f"{label} {rt[key]:{fmt}}" if key in rt else ""
 
 
-def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, load: list[float]) -> None:
-    summary: dict[str, Any] = {"bench": "transport", "repeats": repeats, "load_start_end": load, "cases": results,
-                               "ratios": {}, "goals": {}}
+def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, load: list[float],
+           torchft_heap: str = "kept") -> None:
+    """Print the table, the ratios and the goals, then one JSON line; ``torchft_heap`` says
+    whether torchft's receivers kept their freed heap (``--torchft-heap``)."""
+    summary: dict[str, Any] = {"bench": "transport", "repeats": repeats, "load_start_end": load,
+                               "torchft_heap": torchft_heap, "cases": results, "ratios": {}, "goals": {}}
     for case, rs in results.items():
         summary["ratios"][case] = case_ratios(rs)
         summary["goals"][case] = case_goals(summary["ratios"][case])
@@ -355,7 +358,7 @@ def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, lo
         if prof is not None:
             summary.setdefault("into_profile", {})[case] = prof
     if not json_only:
-        print(f"load average {load[0]:.2f} -> {load[1]:.2f}")
+        print(f"load average {load[0]:.2f} -> {load[1]:.2f}; torchft's receivers: heap {torchft_heap}")
         cw = 18 if any(c in TLS_CONTENDERS for rs in results.values() for c in rs) else 15  # contender column
         print(f"{'case':<10}{'contender':<{cw}}{'first s':>9}{'median s':>10}{'GB/s':>8}{'recv CPU s':>12}"
               f"{'send CPU s':>12}{'peak RSS MB':>13}{'(peak-base)/state':>19}{'same, all repeats':>19}"

@@ -75,6 +75,8 @@ Prints a table and one JSON line. Ratios are measured in the same run; on a shar
 loaded machine the absolute numbers move, the ratios less so. Later (warm) fetches of a
 fresh-allocating receiver depend on glibc: it may keep freed 3 MB blocks in its heap (no
 page faults next time) or return them to the kernel; the first fetch has no such luck.
+torchft's receivers are given the kept heap (``--torchft-heap kept``, the default: its best
+case in every run; ``glibc`` leaves it to the allocator).
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ from _transport_util import (  # noqa: E402
     TLS_CONTENDERS,
     TLS_INPLACE,
     TLS_SOCKET,
+    keep_freed_heap,
     make_state,
     proc_cpu,
     read_json_line,
@@ -225,7 +228,7 @@ def run_sender(case: str, tls_dir: str | None = None, pg_contenders: tuple[str, 
 # --------------------------------------------------------------------------- receiver
 
 
-def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = None) -> None:
+def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = None, keep_heap: bool = False) -> None:
     import torch
 
     from rallypoint.transports._tensors import byte_view
@@ -329,6 +332,8 @@ def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = Non
             wrap = lambda s: cctx.wrap_socket(s, server_hostname="127.0.0.1")  # noqa: E731
         fetch = socket_fetcher(case, contender, int(addr), TIMEOUT.total_seconds(), wrap)
 
+    if keep_heap and not keep_freed_heap():
+        raise SystemExit(f"{contender}: --torchft-heap kept needs glibc's mallopt")
     gc.collect()
     base = rss_kb("VmRSS")
     first_hwm = -1
@@ -384,6 +389,11 @@ def main() -> None:
     ap.add_argument("--fresh-processes", action="store_true",
                     help="every fetch by a fresh receiver process (a real healing's memory), whatever the size "
                          "(always from 2 GiB on)")
+    ap.add_argument("--torchft-heap", choices=["kept", "glibc"], default="kept",
+                    help="torchft's receivers: 'kept' (default) keep the heap a fetch freed for the next "
+                         "(mallopt, as the socket ceiling does: warm fetches reuse memory already faulted in, "
+                         "torchft's best case); 'glibc': glibc's own choice (warm fetches may fault it in again)")
+    ap.add_argument("--keep-heap", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--contender", help=argparse.SUPPRESS)
@@ -394,7 +404,7 @@ def main() -> None:
     if a.role == "sender":
         return run_sender(a.case, a.tls_dir, tuple(c for c in a.serve_pg.split(",") if c))
     if a.role == "receiver":
-        return run_receiver(a.case, a.contender, a.addr, a.tls_dir)
+        return run_receiver(a.case, a.contender, a.addr, a.tls_dir, a.keep_heap)
 
     contenders = list(CONTENDERS)
     if a.contenders:
@@ -424,7 +434,7 @@ def main() -> None:
         if tls is not None:
             tls.close()
     load.append(os.getloadavg()[0])
-    report(a.repeats, results, a.json_only, load)
+    report(a.repeats, results, a.json_only, load, a.torchft_heap)
 
 
 def _run_cases(a: argparse.Namespace, cases: list[str], contenders: list[str], env: dict[str, str],
@@ -449,12 +459,14 @@ def _run_cases(a: argparse.Namespace, cases: list[str], contenders: list[str], e
                 kill(sender)
 
 
-def _start_receiver(case: str, c: str, addrs: dict[str, Any], env: dict[str, str],
+def _start_receiver(a: argparse.Namespace, case: str, c: str, addrs: dict[str, Any], env: dict[str, str],
                     tls_args: list[str]) -> subprocess.Popen[str]:
     addr = addrs[{"rp_inplace": "rallypoint", "rp_into": "rallypoint", "rp_into_crc": "rallypoint",
                   "rp_into_nosum": "rallypoint",
                   TLS_INPLACE: TLS_CONTENDER}.get(c, c)]
     extra = tls_args if c in TLS_CONTENDERS else []
+    if c.startswith("torchft") and a.torchft_heap == "kept":
+        extra = [*extra, "--keep-heap"]
     r = child(["--role", "receiver", "--case", case, "--contender", c, "--addr", str(addr), *extra], env)
     read_json_line(r, 300, f"receiver {case}/{c} start")
     return r
@@ -504,7 +516,7 @@ def _run_group(a: argparse.Namespace, case: str, group: list[str], sender: subpr
     receivers: dict[str, subprocess.Popen[str]] = {}
     try:
         for c in group:
-            receivers[c] = _start_receiver(case, c, addrs, env, tls_args)
+            receivers[c] = _start_receiver(a, case, c, addrs, env, tls_args)
         runs: dict[str, list[dict[str, Any]]] = {c: [] for c in group}
         first: dict[str, dict[str, Any]] = {}
         for rnd in range(a.repeats + 1):
@@ -535,7 +547,7 @@ def _run_fresh_rounds(a: argparse.Namespace, case: str, contenders: list[str], s
     for rnd in range(a.repeats + 1):
         k = rnd % len(contenders)
         for c in contenders[k:] + contenders[:k]:
-            r = _start_receiver(case, c, addrs, env, tls_args)
+            r = _start_receiver(a, case, c, addrs, env, tls_args)
             try:
                 out = _fetch(case, c, r, sender)
                 mems[c].append(_end(case, c, r))
