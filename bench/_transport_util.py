@@ -10,6 +10,7 @@ closes. One thread per connection, so ``socket4``'s four connections run in para
 
 from __future__ import annotations
 
+import io
 import json
 import statistics
 import os
@@ -33,11 +34,16 @@ CASES = {
 #: stop, next contender): ~6 receivers of 4 GB each plus the sender do not fit in 24 GiB.
 SEQUENTIAL_FROM_BYTES = 2 << 30
 CONTENDERS = ["rallypoint", "rp_inplace", "rp_into", "rp_into_crc", "rp_into_nosum", "torchft0", "torchft4",
-              "socket", "socket_inplace", "socket4",
+              "socket", "socket_inplace", "socket4", "http_bare", "http_bare_tensors",
               "rp_pg", "rp_pg_inplace", "torchft_pg"]
 PG_CONTENDERS = ("rp_pg", "rp_pg_inplace", "torchft_pg")
 #: the plain-socket contenders (they all dial the sender's one socket port)
 SOCKETS = ("socket", "socket_inplace", "socket4")
+#: rallypoint's sender read by a bare receiver (no http.client, no parsing, no checks):
+#: into one buffer, or piece by piece into the receiver's held tensors
+BARE_HTTP = "http_bare"
+BARE_HTTP_TENSORS = "http_bare_tensors"
+BARE_HTTP_CONNECTIONS = 2  # as many as HTTPTransport's receiver opens on this 2-core machine
 #: the in-place plain-socket ceilings, against which rp_inplace is measured
 INPLACE_SOCKETS = ("socket_inplace", "socket4")
 TLS_CONTENDER = "http_tls"  # with --tls: rallypoint's HTTPTransport over mutual TLS + token
@@ -238,6 +244,96 @@ def socket_fetcher(case: str, contender: str, port: int, timeout_s: float, wrap:
     raise SystemExit(f"unknown socket contender {contender!r}")
 
 
+def _http_get(host: str, port: int, path: str, timeout_s: float) -> tuple[socket.socket, int, bytes]:
+    """Send GET ``path`` over a new connection; the connection, the body's length and the
+    body bytes read with the reply's head."""
+    s = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            more = s.recv(4096)
+            if not more or len(head) > 65536:
+                raise RuntimeError(f"GET {path}: no reply head")
+            head += more
+        raw, rest = head.split(b"\r\n\r\n", 1)
+        lines = raw.decode("latin-1").split("\r\n")
+        if " 200 " not in lines[0] + " ":
+            raise RuntimeError(f"GET {path}: {lines[0]}")
+        fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+        return s, int(fields["content-length"]), rest
+    except BaseException:
+        s.close()
+        raise
+
+
+def _recv_exactly(s: socket.socket, dest: memoryview, rest: bytes, what: str) -> bytes:
+    """Fill ``dest`` from ``rest`` (bytes already read), then from ``s``, at most 4 MiB per
+    ``recv_into``; what is left of ``rest``."""
+    got = min(len(rest), dest.nbytes)
+    dest[:got] = rest[:got]
+    n = dest.nbytes
+    while got < n:
+        k = s.recv_into(dest[got : min(n, got + (4 << 20))])
+        if not k:
+            raise RuntimeError(f"{what}: closed after {got} of {n} bytes")
+        got += k
+    return rest[min(len(rest), n):]
+
+
+def bare_http_fetcher(case: str, contender: str, base: str, timeout_s: float) -> Callable[[], None]:
+    """The ``http_bare`` contenders: rallypoint's sender (the bench's ``HTTPTransport``, the
+    same ranges and bytes ``rp_into_nosum`` asks for: ``sum=none``) read by a receiver that
+    does nothing but ``recv_into``, over ``BARE_HTTP_CONNECTIONS`` connections: no
+    ``http.client``, no wire parsing, no checks, no landing. ``http_bare`` reads each range
+    into one buffer (allocated and touched before the first fetch); ``http_bare_tensors``
+    reads each piece into its place in tensors the receiver holds (as ``rp_inplace`` does)
+    and each 4-byte sum into a scratch buffer. ``rp_into_nosum`` against them is what our
+    receiver costs; they against the plain sockets, what our sender and HTTP (and the
+    state's layout) cost."""
+    from urllib.parse import urlsplit
+
+    from rallypoint.transports import wire
+    from rallypoint.transports._tensors import byte_view
+
+    u = urlsplit(base)
+    host, port, prefix = u.hostname or "127.0.0.1", u.port or 80, u.path.rstrip("/")
+    s, n, rest = _http_get(host, port, f"{prefix}/checkpoint/1/header", timeout_s)
+    with s:
+        raw = memoryview(bytearray(n))
+        _recv_exactly(s, raw, rest, "header")
+    header = wire.read_header(io.BytesIO(raw).readinto, n, wire.MIN_NETWORK_BLOCK, 1 << 40)
+    ranges = header.split(BARE_HTTP_CONNECTIONS)
+    offsets = [header.wire_bytes(0, a) for a, _ in ranges]
+    whole = memoryview(bytearray(header.wire_bytes(0, header.data_bytes) if contender == BARE_HTTP else 0))
+    held = list(zeros_state(case).values()) if contender == BARE_HTTP_TENSORS else []
+    views = [byte_view(t) for t in held]  # views of memory that ``held`` keeps alive
+    starts = [p[0] for p in header.pieces]
+    pool = ThreadPoolExecutor(len(ranges), thread_name_prefix=contender)
+
+    def one(r: tuple[int, int], off: int) -> None:
+        a, b = r
+        what = f"range [{a}, {b})"
+        s, n, rest = _http_get(host, port, f"{prefix}/checkpoint/1/data?start={a}&end={b}&sum=none", timeout_s)
+        with s:
+            if n != header.wire_bytes(a, b):
+                raise RuntimeError(f"{what}: {n} bytes, not {header.wire_bytes(a, b)}")
+            if not views:
+                _recv_exactly(s, whole[off : off + n], rest, what)
+                return
+            sums = memoryview(bytearray(4))
+            for _, ln, ti, st, _ in header.pieces[starts.index(a) : starts.index(b) if b in starts else None]:
+                rest = _recv_exactly(s, views[ti][st : st + ln], rest, what)
+                rest = _recv_exactly(s, sums, rest, what)
+
+    def fetch() -> None:
+        assert len(held) == len(views)  # the tensors stay alive as long as this fetcher
+        for f in [pool.submit(one, r, off) for r, off in zip(ranges, offsets)]:
+            f.result(timeout_s)
+
+    return fetch
+
+
 # --------------------------------------------------------------------------- report
 
 # (ratio name, numerator contender, denominator contender, field): numerator/denominator
@@ -255,6 +351,13 @@ RATIOS = [
     ("into_nosum_of_socket_inplace", "socket_inplace", "rp_into_nosum", "median_s"),
     ("into_nosum_of_socket4", "socket4", "rp_into_nosum", "median_s"),
     ("socket4_vs_socket_inplace", "socket_inplace", "socket4", "median_s"),
+    # what our receiver costs: ours / a bare reader of the same sender's same bytes
+    ("into_nosum_of_bare_http", BARE_HTTP, "rp_into_nosum", "median_s"),
+    ("into_nosum_of_bare_http_tensors", BARE_HTTP_TENSORS, "rp_into_nosum", "median_s"),
+    ("bare_http_tensors_of_bare_http", BARE_HTTP, BARE_HTTP_TENSORS, "median_s"),  # the state's layout
+    # what our sender and HTTP cost: a bare reader of ours / bare sockets
+    ("bare_http_of_socket_inplace", "socket_inplace", BARE_HTTP, "median_s"),
+    ("bare_http_of_socket4", "socket4", BARE_HTTP, "median_s"),
     ("torchft0_of_socket_inplace", "socket_inplace", "torchft0", "median_s"),  # where the goal lies
     ("first_fetch_rallypoint_vs_torchft0", "torchft0", "rallypoint", "first_s"),
     ("first_fetch_inplace_vs_torchft0", "torchft0", "rp_inplace", "first_s"),
@@ -360,7 +463,7 @@ def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, lo
             summary.setdefault("into_profile", {})[case] = prof
     if not json_only:
         print(f"load average {load[0]:.2f} -> {load[1]:.2f}; torchft's receivers: heap {torchft_heap}")
-        cw = 18 if any(c in TLS_CONTENDERS for rs in results.values() for c in rs) else 15  # contender column
+        cw = max([15] + [len(c) + 2 for rs in results.values() for c in rs])  # contender column
         print(f"{'case':<10}{'contender':<{cw}}{'first s':>9}{'median s':>10}{'GB/s':>8}{'recv CPU s':>12}"
               f"{'send CPU s':>12}{'peak RSS MB':>13}{'(peak-base)/state':>19}{'same, all repeats':>19}"
               f"{'faults 1st':>12}{'faults med':>12}")
@@ -412,6 +515,13 @@ def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, lo
                 print(f"{case:<10}where the goal lies: torchft(0) at {tf:.0%} of one plain socket's speed, so "
                       f"{GOAL_VS_TORCHFT}x torchft(0) is {GOAL_VS_TORCHFT * tf:.0%} of it; four plain sockets "
                       f"reach {rt['socket4_vs_socket_inplace']:.0%}")
+            bare = [_fmt(rt, "bare_http_of_socket_inplace", ".0%", f"{BARE_HTTP} of one plain socket's speed"),
+                    _fmt(rt, "bare_http_of_socket4", ".0%", f"{BARE_HTTP} of four plain sockets'"),
+                    _fmt(rt, "bare_http_tensors_of_bare_http", ".0%", f"{BARE_HTTP_TENSORS} of {BARE_HTTP}'s"),
+                    _fmt(rt, "into_nosum_of_bare_http", ".0%", f"rp_into_nosum of {BARE_HTTP}'s"),
+                    _fmt(rt, "into_nosum_of_bare_http_tensors", ".0%", f"rp_into_nosum of {BARE_HTTP_TENSORS}'s")]
+            if any(bare):
+                print(f"{case:<10}our sender read by bare receivers: " + ", ".join(p for p in bare if p))
             prof = summary.get("into_profile", {}).get(case)
             if prof is not None:
                 sums = "; ".join(f"{k} {v['send']:.3f} sending + {v['recv']:.3f} receiving"

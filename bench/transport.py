@@ -33,6 +33,11 @@ first fetch and reused: the network ceiling without page faults, the reference f
 ``rp_inplace``. ``socket4``: the same in-place destination, a quarter of the tensors over
 each of 4 parallel connections. The goal ratio ``inplace_of_best_socket`` is against the
 faster of ``socket_inplace`` and ``socket4`` (named in ``best_inplace_socket``).
+``http_bare``: rallypoint's sender (the same ranges and bytes as ``rp_into_nosum``) read by
+a receiver that only ``recv_into``s them over two connections (no ``http.client``, parsing,
+checks or landing) into one buffer; ``http_bare_tensors`` the same, each piece into its
+place in tensors the receiver holds: ``rp_into_nosum`` against them is what our receiver
+costs, they against the plain sockets what our sender and HTTP cost.
 
 Process-group transports: ``rp_pg`` is rallypoint's ``PGTransport`` on our
 ``ProcessGroupGloo``, ``torchft_pg`` is torchft 0.2's ``PGTransport`` on torchft's
@@ -104,11 +109,14 @@ from _transport_util import (  # noqa: E402
     CONTENDERS,
     PG_CONTENDERS,
     SEQUENTIAL_FROM_BYTES,
+    BARE_HTTP,
+    BARE_HTTP_TENSORS,
     SOCKETS,
     TLS_CONTENDER,
     TLS_CONTENDERS,
     TLS_INPLACE,
     TLS_SOCKET,
+    bare_http_fetcher,
     keep_freed_heap,
     make_state,
     proc_cpu,
@@ -316,6 +324,8 @@ def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = Non
         pg.configure(addr, "bench_receiver", 1, 2, quorum_id=1)
         t = TorchftPG(pg, TIMEOUT, torch.device("cpu"))
         fetch = lambda: t.recv_checkpoint(0, "<n/a>", 1, TIMEOUT)  # noqa: E731
+    elif contender in (BARE_HTTP, BARE_HTTP_TENSORS):
+        fetch = bare_http_fetcher(case, contender, addr, TIMEOUT.total_seconds())
     elif contender.startswith("torchft"):
         from torchft.checkpointing.http_transport import HTTPTransport as TorchftHTTP
 
@@ -360,7 +370,7 @@ def run_receiver(case: str, contender: str, addr: str, tls_dir: str | None = Non
     if fast_path is not None:
         end["fast_path_sockets"] = dict(fast_path)
     print(json.dumps(end), flush=True)
-    if contender not in (*SOCKETS, TLS_SOCKET):
+    if contender not in (*SOCKETS, TLS_SOCKET, BARE_HTTP, BARE_HTTP_TENSORS):
         t.shutdown()
     if contender in ("rp_pg", "rp_pg_inplace", "torchft_pg"):
         try:
@@ -462,7 +472,7 @@ def _run_cases(a: argparse.Namespace, cases: list[str], contenders: list[str], e
 def _start_receiver(a: argparse.Namespace, case: str, c: str, addrs: dict[str, Any], env: dict[str, str],
                     tls_args: list[str]) -> subprocess.Popen[str]:
     addr = addrs[{"rp_inplace": "rallypoint", "rp_into": "rallypoint", "rp_into_crc": "rallypoint",
-                  "rp_into_nosum": "rallypoint",
+                  "rp_into_nosum": "rallypoint", BARE_HTTP: "rallypoint", BARE_HTTP_TENSORS: "rallypoint",
                   TLS_INPLACE: TLS_CONTENDER}.get(c, c)]
     extra = tls_args if c in TLS_CONTENDERS else []
     if c.startswith("torchft") and a.torchft_heap == "kept":

@@ -20,7 +20,7 @@ import torch
 
 from rallypoint.transports import _crc, wire
 from rallypoint.transports._http_recv import SUM_HEADER
-from rallypoint.transports._range_writer import COALESCE_BELOW
+from rallypoint.transports._range_writer import COALESCE_BELOW, SUM_AS_READ
 from rallypoint.transports._http_serve import Reply, Request
 from rallypoint.transports.http import HTTPTransport, TransferError
 from test_http_transport import (  # noqa: F401 - the fixture is used by name
@@ -243,6 +243,49 @@ def test_a_live_piece_changed_after_the_freeze_is_never_taken_whole_with_or_with
     src.send_checkpoint([1], 1, sd, TEN)
     assert isinstance(src, HoldPart)
     assert_same(want, step_during_heal(src, dst, sd, src.held, src.go, TEN))
+
+@pytest.mark.parametrize("kind", ["none", "crc32"])
+def test_reads_per_piece_whole_without_sums_and_by_sum_as_read_with_them(kind: str) -> None:
+    """Without sums a big piece's rest is asked for in one read (nothing to sum while it is
+    cached); with sums, at most SUM_AS_READ bytes per read. A stream cut inside a piece
+    fails either way, and a retry resumes at that piece's start."""
+    sk = _crc.kind_named(kind)
+    assert sk is not None
+    numel = (3 * SUM_AS_READ) // 4  # 3 MiB float32: one piece of a 4 MiB block
+    sd = {"a": torch.randn(numel), "b": torch.randn(numel)}
+    enc = wire.encode(sd, block=4 << 20, sums="inline")
+    header = wire.read_header(io.BytesIO(enc.header).readinto)
+    data = b"".join(bytes(c) for c in enc.iter_data(0, header.data_bytes, sum_kind=sk))
+    asked: list[int] = []
+
+    def reader(stream: bytes) -> Callable[[memoryview], int]:
+        pos = [0]
+
+        def readinto(mv: memoryview) -> int:
+            asked.append(mv.nbytes)
+            k = min(mv.nbytes, len(stream) - pos[0])
+            mv[:k] = stream[pos[0]: pos[0] + k]
+            pos[0] += k
+            return k
+
+        return readinto
+
+    sink = wire.Sink(header)
+    w = sink.writer(0, header.data_bytes, sk)
+    w.pull(reader(data))
+    w.close()
+    assert_same(sd, sink.finish())
+    big = [n for n in asked if n > 4]  # the 4-byte sums are read exactly
+    if kind == "none":
+        assert big == [numel * 4, numel * 4]
+    else:
+        assert max(big) == SUM_AS_READ and len(big) == 6
+    cut = wire.Sink(header)
+    w = cut.writer(0, header.data_bytes, sk)
+    with pytest.raises(wire.WireError, match="truncated"):
+        w.pull(reader(data[: numel * 4 + 4 + 1000]))  # "a" whole, then part of "b"
+    assert w.verified_to == header.pieces[1][0]
+
 
 def test_the_environment_chooses_the_sums_when_the_constructor_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RALLYPOINT_HEAL_CHECKSUM", "none")
