@@ -244,6 +244,7 @@ def test_a_live_piece_changed_after_the_freeze_is_never_taken_whole_with_or_with
     assert isinstance(src, HoldPart)
     assert_same(want, step_during_heal(src, dst, sd, src.held, src.go, TEN))
 
+
 @pytest.mark.parametrize("kind", ["none", "crc32"])
 def test_reads_per_piece_whole_without_sums_and_by_sum_as_read_with_them(kind: str) -> None:
     """Without sums a big piece's rest is asked for in one read (nothing to sum while it is
