@@ -300,14 +300,16 @@ def bare_http_fetcher(case: str, contender: str, base: str, timeout_s: float) ->
     host, port, prefix = u.hostname or "127.0.0.1", u.port or 80, u.path.rstrip("/")
     s, n, rest = _http_get(host, port, f"{prefix}/checkpoint/1/header", timeout_s)
     with s:
+        if n > wire.DEFAULT_MAX_HEADER_BYTES:
+            raise RuntimeError(f"a header of {n} bytes is over the limit of {wire.DEFAULT_MAX_HEADER_BYTES}")
         raw = memoryview(bytearray(n))
         _recv_exactly(s, raw, rest, "header")
     header = wire.read_header(io.BytesIO(raw).readinto, n, wire.MIN_NETWORK_BLOCK, 1 << 40)
     ranges = header.split(BARE_HTTP_CONNECTIONS)
     offsets = [header.wire_bytes(0, a) for a, _ in ranges]
     whole = memoryview(bytearray(header.wire_bytes(0, header.data_bytes) if contender == BARE_HTTP else 0))
-    held = list(zeros_state(case).values()) if contender == BARE_HTTP_TENSORS else []
-    views = [byte_view(t) for t in held]  # views of memory that ``held`` keeps alive
+    # (tensor, its bytes): the view does not keep its tensor alive, the pair does
+    placed = [(t, byte_view(t)) for t in zeros_state(case).values()] if contender == BARE_HTTP_TENSORS else []
     starts = [p[0] for p in header.pieces]
     pool = ThreadPoolExecutor(len(ranges), thread_name_prefix=contender)
 
@@ -318,16 +320,15 @@ def bare_http_fetcher(case: str, contender: str, base: str, timeout_s: float) ->
         with s:
             if n != header.wire_bytes(a, b):
                 raise RuntimeError(f"{what}: {n} bytes, not {header.wire_bytes(a, b)}")
-            if not views:
+            if not placed:
                 _recv_exactly(s, whole[off : off + n], rest, what)
                 return
             sums = memoryview(bytearray(4))
             for _, ln, ti, st, _ in header.pieces[starts.index(a) : starts.index(b) if b in starts else None]:
-                rest = _recv_exactly(s, views[ti][st : st + ln], rest, what)
+                rest = _recv_exactly(s, placed[ti][1][st : st + ln], rest, what)
                 rest = _recv_exactly(s, sums, rest, what)
 
     def fetch() -> None:
-        assert len(held) == len(views)  # the tensors stay alive as long as this fetcher
         for f in [pool.submit(one, r, off) for r, off in zip(ranges, offsets)]:
             f.result(timeout_s)
 
