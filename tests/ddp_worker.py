@@ -40,7 +40,7 @@ from typing import Any
 
 import zygote
 
-from replica_worker import Replicas, record_hash
+from replica_worker import Replicas, record_hash, round_row
 
 HERE = Path(__file__).resolve()
 LIMIT_S = 60.0  # a worker's own wall-clock limit
@@ -119,6 +119,7 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
     ddp = DistributedDataParallel(hook_manager, model, bucket_cap_mb=0.001)
     gen = torch.Generator().manual_seed(1000 + seed)
     history: list[list[int]] = []
+    rounds: list[list[Any]] = []  # round_row() of every round (Replicas.assert_identical)
     rode: list[int] = []
     rides: list[int] = []
     t0 = time.monotonic()
@@ -149,9 +150,11 @@ def worker(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dic
             if committed:
                 opt.step()
             history.append([m.current_step(), participants, int(committed)])
+            rounds.append(round_row(m))
             rode.append(m._guard.early_exchanges - early0)  # this round's exchange rode behind the gradients
             rides.append(m._guard.riding_exchanges - riding0)  # ... in the last bucket's collective itself
-            _write(out, m, model, history, buckets=ddp.buckets_reduced, early_exchanges=m._guard.early_exchanges,
+            _write(out, m, model, history, rounds=rounds, buckets=ddp.buckets_reduced,
+                   early_exchanges=m._guard.early_exchanges,
                    late_exchanges=m._guard.late_exchanges, rode=rode, rides=rides)
             time.sleep(delay)  # paces the replicas so they overlap; not a wait for an event
     finally:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from replica_worker import Replicas, record_hash
+from replica_worker import Replicas, record_hash, round_row
 
 HERE = Path(__file__).resolve()
 LIMIT_S = 60.0  # a worker's own wall-clock limit, from joining
@@ -91,6 +91,7 @@ def run(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dict[s
 
     it = batches()
     history: list[list[Any]] = []
+    rounds: list[list[Any]] = []  # round_row() of every round (Replicas.assert_identical)
     hashes: dict[str, str] = {}
     t0 = time.monotonic()
     rc = 0
@@ -114,12 +115,13 @@ def run(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: dict[s
             committed = opt.step()
             lr = opt.param_groups[0]["lr"]
             history.append([m.current_step(), participants, int(committed), lr])
+            rounds.append(round_row(m))
             h = record_hash(hashes, m.current_step(), model)
             tmp = out + ".tmp"
             Path(tmp).write_text(json.dumps({
                 "step": m.current_step(), "batches": m.batches_committed(), "hash": h, "lr": lr,
                 "last_lr": sched.get_last_lr(), "sched_epoch": sched.last_epoch, "sampler": sampler.state_dict(),
-                "history": history, "hashes": hashes, "replica_id": m.replica_id,
+                "history": history, "rounds": rounds, "hashes": hashes, "replica_id": m.replica_id,
             }))
             os.replace(tmp, out)
             time.sleep(delay)  # paces the replicas so they overlap; not a wait for an event

@@ -64,6 +64,32 @@ def record_hash(hashes: dict[str, str], step: int, model: Any) -> str:
     return h
 
 
+def round_row(m: Any) -> list[Any]:
+    """The round just ended, as ``[step, quorum id, quorum size, committed]``: the step
+    reached, the quorum's id and how many replica groups it held, 1 if this replica
+    committed it. Workers keep these under ``"rounds"`` so that
+    ``Replicas.assert_identical`` can tell which replicas committed one and the same round
+    (whose parameters must then be equal) from replicas that only reached the same step."""
+    rec = m.step_record()
+    if rec is None:
+        return [m.current_step(), None, 0, 0]
+    return [m.current_step(), rec.quorum_id, len(rec.participants), int(rec.outcome == "committed")]
+
+
+def _together(prog: list[dict[str, Any]], full: int) -> int:
+    """The last step that all ``full`` replicas committed in one round whose quorum held
+    them all (from their ``"rounds"``; from ``"history"`` rows with ``full`` participants
+    where a worker writes no rounds); -1 if there is none."""
+    common: set[tuple[int, Any]] | None = None
+    for p in prog:
+        if "rounds" in p:
+            mine = {(s, q) for s, q, n, c in p["rounds"] if n == full and c}
+        else:
+            mine = {(row[0], None) for row in p["history"] if row[1] == full}
+        common = mine if common is None else common & mine
+    return max((s for s, _ in common or ()), default=-1)
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -182,6 +208,7 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
         served._pieces = dying
     gen = torch.Generator().manual_seed(1000 + seed)
     history: list[list[int]] = []
+    rounds: list[list[Any]] = []  # round_row() of every round
     failed_at: set[int] = set()  # steps failed on purpose (fail_every)
     failed: list[int] = []  # current_step() of the rounds that did not commit
     hashes: dict[str, str] = {}  # the parameters' hash at each of the last steps (Replicas.assert_identical)
@@ -229,11 +256,12 @@ def run_rank(lighthouse: str, name: str, seed: int, out: str, stop: str, opts: d
             else:
                 failed.append(m.current_step())
             history.append([m.current_step(), participants, int(spare)])
+            rounds.append(round_row(m))
             h = record_hash(hashes, m.current_step(), model)
             tmp = out + ".tmp"
             Path(tmp).write_text(json.dumps({
                 "step": m.current_step(), "batches": m.batches_committed(), "hash": h,
-                "history": history, "hashes": hashes, "replica_id": m.replica_id,
+                "history": history, "rounds": rounds, "hashes": hashes, "replica_id": m.replica_id,
                 "heal_reused": getattr(getattr(m._transport, "receive_pool", None), "reused_bytes", 0), "failed": failed,
                 "state_threads": sorted(state_threads), "train_thread": threading.current_thread().name,
             }))
@@ -349,15 +377,17 @@ class Replicas:
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait(5)
 
-    def assert_identical(self, names: list[str], target: int) -> None:
+    def assert_identical(self, names: list[str], target: int, within: int = 3) -> None:
         """Every replica stopped at ``target`` with the same parameters.
 
-        One ending is the harness's, not a divergence: a replica that failed the round
-        before ``target`` is one step behind when its peers reach ``target`` and stop, and
-        with ``min_replicas=1`` it commits the last step alone (its last history row has
-        fewer participants). Such a replica is then compared with the others at the last
-        step it reached in a full-quorum round (at most two steps before ``target``), where
-        the states must be equal; the others must still be equal at ``target``."""
+        Replicas may end with different parameters only by the harness's own ending, never
+        after committing one round together: each stops as soon as it reaches ``target``,
+        so a replica that failed a round near the end (or whose last heal failed as its
+        source stopped) is behind when its peers stop and, with ``min_replicas=1``, commits
+        the last steps in quorums without them. Then every replica is compared at the last
+        step all of them committed in one round whose quorum held them all; that step must
+        be at most ``within`` steps before ``target``, their parameters equal there, and
+        replicas that committed ``target`` in one round must be equal at ``target``."""
         prog = [self.progress(n) for n in names]
         assert all(p is not None for p in prog), self.logs()
         assert [p["step"] for p in prog] == [target] * len(names), (prog, self.logs())
@@ -366,17 +396,23 @@ class Replicas:
             assert len({p["batches"] for p in prog}) == 1, prog
             return
         full = len(names)
-        lone = [i for i, p in enumerate(prog) if p["history"] and p["history"][-1][1] < full]
-        why = (f"the replicas' parameters differ at step {target}: {dict(zip(names, finals))}; "
-               f"last rounds {[(n, p['history'][-3:], p.get('failed', [])[-3:]) for n, p in zip(names, prog)]}")
-        assert lone and len(lone) < full, (why, self.logs())
-        assert len({finals[i] for i in range(full) if i not in lone}) == 1, (why, self.logs())
-        together = min(max((row[0] for row in prog[i]["history"] if row[1] == full), default=-1) for i in lone)
-        assert together >= target - 2, (f"{why}; the lone replicas' last full-quorum step is {together}", self.logs())
+        tails = [(n, p["history"][-3:], p.get("rounds", [])[-3:], p.get("failed", [])[-3:])
+                 for n, p in zip(names, prog)]
+        why = f"the replicas' parameters differ at step {target}: {dict(zip(names, finals))}; last rounds {tails}"
+        last = {}  # the round each replica committed target in -> the replicas that did
+        for i, p in enumerate(prog):
+            rows = [r for r in p.get("rounds", []) if r[0] == target and r[3]]
+            if rows:
+                last.setdefault(tuple(rows[-1][1:3]), []).append(i)
+        for (qid, _), who in last.items():
+            assert len({finals[i] for i in who}) == 1, \
+                (f"{why}; {[names[i] for i in who]} committed step {target} in quorum {qid} together", self.logs())
+        together = _together(prog, full)
+        assert together < target, (f"{why}; all committed step {target} in one round", self.logs())
+        assert together >= target - within, (f"{why}; the last step all committed together is {together}", self.logs())
         at = [p.get("hashes", {}).get(str(together)) for p in prog]
         assert None not in at and len(set(at)) == 1, \
             (f"{why}; and at step {together}, the last they committed together: {dict(zip(names, at))}", self.logs())
-
 
 if __name__ == "__main__":
     lh_addr, name_, seed_s, out_s, stop_s, opts_s = sys.argv[1:7]

@@ -340,24 +340,48 @@ def test_a_replica_process_that_fails_every_third_step_heals_warm_each_time(ligh
     ("diverged", False),  # same step, different parameters, everyone in the full quorum
     ("lone_tail", True),  # one step behind when its peers stopped: committed the last alone
     ("lone_tail_diverged_before", False),  # ... but already different where they were together
+    ("lone_tail_legacy", True),  # the same from a worker that writes history rows only
+    ("lone_tail_legacy_diverged_before", False),
+    ("pair_tail", True),  # z missed the last quorum: x and y committed step 10 without it, z alone
+    ("pair_tail_pair_diverged", False),  # ... but x and y differ after committing step 10 together
+    ("all_tails_too_long", False),  # the last step all three committed together is 5 steps back
+    ("diverged_legacy", False),  # the same from a worker that writes history rows only
 ])
 def test_assert_identical_tells_a_lone_last_step_from_a_divergence(tmp_path, case: str, ok: bool) -> None:
     """The harness's end check (``Replicas.assert_identical``) is not vacuous: a divergence
-    fails it, and only a replica that committed the final step alone after its peers
-    stopped is compared where they last stepped together."""
+    fails it, and only replicas that did not commit the final rounds together (a peer
+    stopped first) are compared where they last committed one round together."""
     import json
 
     from replica_worker import Replicas
 
     r = Replicas(tmp_path, "unused")
     full = [[8, 3, 0], [9, 3, 0], [10, 3, 0]]
-    rows = {n: {"step": 10, "batches": 30, "hash": "A", "history": full, "failed": [], "hashes": {"9": "a9", "10": "A"}}
-            for n in ("x", "y", "z")}
+    rounds = [[8, 4, 3, 1], [9, 4, 3, 1], [10, 4, 3, 1]]  # [step, quorum id, quorum size, committed]
+    rows = {n: {"step": 10, "batches": 30, "hash": "A", "history": full, "rounds": rounds, "failed": [],
+                "hashes": {"9": "a9", "10": "A"}} for n in ("x", "y", "z")}
     if case == "diverged":
         rows["z"]["hash"] = "B"
+    if case == "diverged_legacy":
+        rows["z"].update(hash="B", hashes={"9": "a9", "10": "B"})
     if case.startswith("lone_tail"):
         rows["z"].update(hash="B", batches=28, history=[[9, 3, 0], [9, 3, 0], [10, 1, 0]], failed=[9],
-                         hashes={"9": "a9" if case == "lone_tail" else "b9", "10": "B"})
+                         rounds=[[9, 4, 3, 1], [9, 4, 3, 0], [10, 5, 1, 1]],
+                         hashes={"9": "a9" if case in ("lone_tail", "lone_tail_legacy") else "b9", "10": "B"})
+    if "legacy" in case:
+        for row in rows.values():
+            del row["rounds"]
+    if case.startswith("pair_tail"):
+        for n in ("x", "y"):
+            rows[n].update(history=full[:2] + [[10, 2, 0]], rounds=rounds[:2] + [[10, 5, 2, 1]], batches=29)
+        rows["z"].update(hash="B", batches=28, history=full[:2] + [[10, 1, 0]], rounds=rounds[:2] + [[10, 6, 1, 1]],
+                         hashes={"9": "a9", "10": "B"})
+        if case == "pair_tail_pair_diverged":
+            rows["y"].update(hash="C", hashes={"9": "a9", "10": "C"})
+    if case == "all_tails_too_long":
+        for n, q in (("x", 7), ("y", 7), ("z", 8)):
+            rows[n].update(rounds=[[5, 4, 3, 1]] + [[s, q, 2 if q == 7 else 1, 1] for s in range(6, 11)],
+                           hashes={"5": "a5", "10": "A" if q == 7 else "B"}, hash="A" if q == 7 else "B")
     for n, row in rows.items():
         (tmp_path / f"{n}.json").write_text(json.dumps(row))
     if ok:
