@@ -342,6 +342,7 @@ def test_a_replica_process_that_fails_every_third_step_heals_warm_each_time(ligh
     ("lone_tail_diverged_before", False),  # ... but already different where they were together
     ("lone_tail_legacy", True),  # the same from a worker that writes history rows only
     ("lone_tail_legacy_diverged_before", False),
+    ("lone_tail_legacy_peers_diverged", False),  # x and y, full quorum at step 10, differ there
     ("pair_tail", True),  # z missed the last quorum: x and y committed step 10 without it, z alone
     ("pair_tail_pair_diverged", False),  # ... but x and y differ after committing step 10 together
     ("all_tails_too_long", False),  # the last step all three committed together is 5 steps back
@@ -368,6 +369,8 @@ def test_assert_identical_tells_a_lone_last_step_from_a_divergence(tmp_path, cas
         rows["z"].update(hash="B", batches=28, history=[[9, 3, 0], [9, 3, 0], [10, 1, 0]], failed=[9],
                          rounds=[[9, 4, 3, 1], [9, 4, 3, 0], [10, 5, 1, 1]],
                          hashes={"9": "a9" if case in ("lone_tail", "lone_tail_legacy") else "b9", "10": "B"})
+    if case == "lone_tail_legacy_peers_diverged":
+        rows["y"].update(hash="C", hashes={"9": "a9", "10": "C"})
     if "legacy" in case:
         for row in rows.values():
             del row["rounds"]
