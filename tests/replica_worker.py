@@ -69,10 +69,10 @@ def round_row(m: Any) -> list[Any]:
     reached, the quorum's id and how many replica groups it held, 1 if this replica
     committed it. Workers keep these under ``"rounds"`` so that
     ``Replicas.assert_identical`` can tell which replicas committed one and the same round
-    (whose parameters must then be equal) from replicas that only reached the same step."""
+    (whose parameters must then be equal) from replicas that only reached the same step.
+    Called after ``should_commit``, which closes the round."""
     rec = m.step_record()
-    if rec is None:
-        return [m.current_step(), None, 0, 0]
+    assert rec is not None, "round_row() before the first should_commit()"
     return [m.current_step(), rec.quorum_id, len(rec.participants), int(rec.outcome == "committed")]
 
 
