@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from rallypoint.transports._tensors import populate_range
 
@@ -32,6 +32,23 @@ BACKGROUND_MIN_BYTES = 64 << 20
 PAGE = 4096
 
 
+def lane_order(bounds: Sequence[tuple[int, int]], lanes: int) -> list[int]:
+    """Piece indices in the order ``lanes`` writers reach them when they take the piece
+    ranges ``bounds`` (``[first, last)`` piece indices, in the order they are handed out)
+    in turn: each group of ``lanes`` consecutive ranges is written at once, one writer on
+    each, so the pieces of a group are interleaved (the first of each range, then the
+    second of each, ...). With one range per writer, the thread keeps ahead of every writer
+    instead of only the first one's; with many short ranges the order stays close to the
+    stream's."""
+    lanes = max(1, lanes)
+    order: list[int] = []
+    for g in range(0, len(bounds), lanes):
+        group = [range(a, b) for a, b in bounds[g : g + lanes]]
+        for k in range(max((len(r) for r in group), default=0)):
+            order.extend(r[k] for r in group if k < len(r))
+    return order
+
+
 def _has_a_page(addr: int, nbytes: int) -> bool:
     return (addr + nbytes) & ~(PAGE - 1) > (addr + PAGE - 1) & ~(PAGE - 1)
 
@@ -39,9 +56,11 @@ def _has_a_page(addr: int, nbytes: int) -> bool:
 class Prefault:
     """Maps pieces ``(address, nbytes)`` (``None``: nothing to map, the piece's
     destination is not fresh memory) once each, claimed either by the background thread
-    (in order) or by a writer that reaches a piece first (:meth:`claim`)."""
+    (in stream order, or in ``order``: piece indices, see :func:`lane_order`) or by a
+    writer that reaches a piece first (:meth:`claim`)."""
 
-    def __init__(self, pieces: Sequence[tuple[int, int] | None], *, background: bool = True) -> None:
+    def __init__(self, pieces: Sequence[tuple[int, int] | None], *, background: bool = True,
+                 order: Iterable[int] | None = None) -> None:
         # A piece without a whole page of its own (a tiny tensor) has nothing to map.
         self._pieces = [p if p is not None and _has_a_page(*p) else None for p in pieces]
         # 1: claimed by someone (or nothing to map). A bytearray so that claim() costs an
@@ -50,6 +69,7 @@ class Prefault:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.mapped_bytes = {"ahead": 0, "writer": 0}
+        self._order = list(range(len(self._pieces)) if order is None else order)
         self._thread: threading.Thread | None = None
         fresh = sum(p[1] for p in self._pieces if p is not None)
         if background and fresh >= BACKGROUND_MIN_BYTES:
@@ -79,7 +99,7 @@ class Prefault:
 
     def _run(self) -> None:
         try:
-            for pi in range(len(self._pieces)):
+            for pi in self._order:
                 if self._stop.is_set():
                     return
                 piece = self._take(pi, "ahead")

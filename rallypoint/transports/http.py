@@ -108,7 +108,10 @@ class HTTPTransport(CheckpointTransport[Any]):
             this machine's host name for a wildcard bind).
         token: bearer token required to fetch, and sent when fetching (default:
             ``RALLYPOINT_TOKEN``, the job's credential; an empty one is an error).
-        max_chunk_bytes: upper bound of one range, so a retry re-fetches little.
+        max_chunk_bytes: upper bound of one range (default ``None``: from one source, one
+            range per connection; striped over several sources, 64 MiB, so the faster
+            source takes more; see ``_http_recv.range_cap``). A broken range resumes from
+            its first block not yet verified whatever its length.
         block: the checksum block (4 MiB: a quarter of the per-block work of the wire
             format's 1 MiB default, which in bench/heal_stall.py cut the sender's step-time
             loss while serving from ~50 to ~17 ms per GB).
@@ -164,7 +167,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         bind: str = "0.0.0.0:0",
         advertise_host: str | None = None,
         token: str | None = None,
-        max_chunk_bytes: int = 64 << 20,
+        max_chunk_bytes: int | None = None,
         retries: int = 2,
         block: int = 4 << 20,
         max_header_bytes: int = wire.DEFAULT_MAX_HEADER_BYTES,
@@ -214,6 +217,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         self.receive_pool: ReceivePool | None = ReceivePool() if pool_enabled() else None
         self._token = job_token(token)  # the argument, else RALLYPOINT_TOKEN (the job's credential)
         self._tls = tls or tls_config()  # the argument, else RALLYPOINT_TLS_*
+        if max_chunk_bytes is not None and max_chunk_bytes < 1:
+            raise ValueError(f"max_chunk_bytes={max_chunk_bytes}: a range holds at least one byte (None: no cap)")
         self._max_chunk = max_chunk_bytes
         self._retries = retries
         self._block = block

@@ -97,6 +97,7 @@ import io
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -192,10 +193,14 @@ class Sink:
 
     Validation that needs no data bytes (target matching, DTensor meshes) happens in the
     constructor, before anything is written. See the module docstring for memory/safety.
+    ``prefault_order``: the order in which the writers will reach the pieces (piece
+    indices, :func:`~rallypoint.transports._prefault.lane_order`), which fresh memory is
+    mapped ahead in; default, the stream's.
     """
 
     def __init__(self, header: Header, *, into: Any = None, in_place: bool = False, mesh: Any = None,
-                 device: torch.device | None = None, pool: ReceivePool | None = None, defer: bool = False) -> None:
+                 device: torch.device | None = None, pool: ReceivePool | None = None, defer: bool = False,
+                 prefault_order: Sequence[int] | None = None) -> None:
         self.header = header
         self._pool = pool if into is not None and not in_place else None
         self._defer = defer and not in_place
@@ -256,7 +261,8 @@ class Sink:
             self._target_leaf.append(leaf if ok else None)
             self._direct.append(direct)
         ptrs = {ti: self._dest[ti].data_ptr() for ti in fresh}  # type: ignore[union-attr]
-        self.prefault = Prefault([(ptrs[ti] + st, ln) if ti in ptrs else None for _, ln, ti, st, _ in header.pieces])
+        self.prefault = Prefault([(ptrs[ti] + st, ln) if ti in ptrs else None for _, ln, ti, st, _ in header.pieces],
+                                 order=prefault_order)
 
     @staticmethod
     def _mesh_for(spec: TensorSpec, tgt: Any, mesh: Any) -> Any:
