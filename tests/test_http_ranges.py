@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from rallypoint.transports import _http_recv, _prefault, wire
 from rallypoint.transports._prefault import Prefault, lane_order
@@ -131,8 +132,6 @@ def test_a_receive_from_one_source_asks_one_range_per_connection(transports: Cal
 
 def test_one_connection_asks_for_the_whole_state_in_one_range(transports: Callable[..., HTTPTransport]) -> None:
     """Larger than the 64 MiB ranges asked for before (and still asked of several sources)."""
-    import torch
-
     src = transports(Recording)
     assert isinstance(src, Recording)
     sd = {"w": torch.arange((_http_recv.STRIPE_RANGE_BYTES + (8 << 20)) // 4, dtype=torch.float32)}
@@ -142,7 +141,7 @@ def test_one_connection_asks_for_the_whole_state_in_one_range(transports: Callab
     assert src.asked == [(0, sd["w"].numel() * 4)]
 
 
-def test_a_striped_receive_takes_short_ranges_from_both_sources(transports: Callable[..., HTTPTransport],
+def test_a_striped_receive_asks_only_short_ranges_of_its_sources(transports: Callable[..., HTTPTransport],
                                                                 monkeypatch: Any) -> None:
     monkeypatch.setattr(_http_recv, "STRIPE_RANGE_BYTES", 64 << 10)
     sources = [transports(Recording, copy_below=0, **SMALL_BLOCKS) for _ in range(2)]

@@ -26,7 +26,6 @@ reader; over TLS the ``ssl.SSLSocket`` decrypts into them).
 
 from __future__ import annotations
 
-import bisect
 import collections
 import concurrent.futures as cf
 import io
@@ -83,8 +82,7 @@ def data_ranges(header: wire.Header, connections: int, sources: int, max_chunk: 
 
 def piece_bounds(header: wire.Header, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Each range's ``[first, last)`` piece indices (ranges are piece-aligned)."""
-    starts = [p[0] for p in header.pieces]
-    return [(bisect.bisect_left(starts, a), bisect.bisect_left(starts, b)) for a, b in ranges]
+    return [(header.pieces_in(0, a), header.pieces_in(0, b)) for a, b in ranges]
 
 
 def parse_sources(metadata: str, src_rank: int) -> list[str]:
@@ -160,15 +158,15 @@ class Receive:
                 raise TransferError(f"{self.where}: the header is for step {header.extra.get('step')!r}")
             first.ready = True
             ranges = data_ranges(header, t._num_chunks, len(self.sources), t._max_chunk)
-            workers = len(self.sources) * max(1, min(t._num_chunks, len(ranges)))
+            per_source = max(1, min(t._num_chunks, len(ranges)))  # workers (connections) per source
             try:
                 sink = wire.Sink(header, into=into, in_place=in_place, mesh=mesh, pool=t.receive_pool,
                                  defer=defer and into is not None,
-                                 prefault_order=lane_order(piece_bounds(header, ranges), workers))
+                                 prefault_order=lane_order(piece_bounds(header, ranges), per_source * len(self.sources)))
             except wire.WireError as exc:
                 raise TransferError(f"{self.where}: {exc}") from exc
             try:
-                self._fetch_all(sink, ranges)
+                self._fetch_all(sink, ranges, per_source)
             finally:
                 sink.close()
             self._say_done(conn)
@@ -282,7 +280,7 @@ class Receive:
 
     # ---------------------------------------------------------------- data
 
-    def _fetch_all(self, sink: wire.Sink, ranges: list[tuple[int, int]]) -> None:
+    def _fetch_all(self, sink: wire.Sink, ranges: list[tuple[int, int]], per_source: int) -> None:
         t = self.t
         todo: collections.deque[tuple[int, int]] = collections.deque(ranges)
         left = [len(ranges)]
@@ -344,7 +342,7 @@ class Receive:
                     left[0] -= 1
                     cv.notify_all()
 
-        workers = [s for s in self.sources for _ in range(max(1, min(t._num_chunks, len(ranges))))]
+        workers = [s for s in self.sources for _ in range(per_source)]
         ex = cf.ThreadPoolExecutor(max(1, len(workers)), thread_name_prefix="rp-http-recv")
         futures = [ex.submit(worker, s) for s in workers]
         try:
