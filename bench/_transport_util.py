@@ -1,11 +1,8 @@
 """Helpers of ``bench/transport.py`` (not part of the library): the cases and their
-states, the plain-socket ceiling (sender and the three receivers), child processes
-with timeouts, and the table/ratios/goals report.
+states, child processes with timeouts, our sender's bare readers, and the
+table/ratios/goals report.
 
-The plain-socket ceiling speaks a minimal protocol: the receiver opens a connection and
-sends ``!II`` (part, parts); the sender answers with the raw bytes of tensors
-``[part * n // parts, (part + 1) * n // parts)`` of its state dict, in order, and
-closes. One thread per connection, so ``socket4``'s four connections run in parallel.
+The plain-socket ceiling (its sender and receivers) is in ``_sockets.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ import json
 import statistics
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -34,11 +30,18 @@ CASES = {
 #: stop, next contender): ~6 receivers of 4 GB each plus the sender do not fit in 24 GiB.
 SEQUENTIAL_FROM_BYTES = 2 << 30
 CONTENDERS = ["rallypoint", "rp_inplace", "rp_into", "rp_into_crc", "rp_into_nosum", "torchft0", "torchft4",
-              "socket", "socket_inplace", "socket4", "http_bare", "http_bare_tensors",
+              "socket", "socket_inplace", "socket4", "socket2_xxh3", "socket4_xxh3", "http_bare",
+              "http_bare_tensors",
               "rp_pg", "rp_pg_inplace", "torchft_pg"]
 PG_CONTENDERS = ("rp_pg", "rp_pg_inplace", "torchft_pg")
 #: the plain-socket contenders (they all dial the sender's one socket port)
-SOCKETS = ("socket", "socket_inplace", "socket4")
+SOCKETS = ("socket", "socket_inplace", "socket4", "socket2_xxh3", "socket4_xxh3")
+#: plain sockets, every byte summed (XXH3) by the sender and checked by the receiver: the
+#: floor of a verified heal, over this many parallel connections
+SUMMED_SOCKETS = {"socket2_xxh3": 2, "socket4_xxh3": 4}
+#: bytes per summed read and send of ``SUMMED_SOCKETS``: as rallypoint's sender sums a part
+#: just before it leaves and its receiver each read as it lands (``_range_writer.SUM_AS_READ``)
+SUM_PART = 1 << 20
 #: rallypoint's sender read by a bare receiver (no http.client, no parsing, no checks):
 #: into one buffer, or piece by piece into the receiver's held tensors
 BARE_HTTP = "http_bare"
@@ -123,125 +126,6 @@ def kill(p: subprocess.Popen[str]) -> None:
         except ProcessLookupError:
             pass
     p.wait(10)
-
-
-# --------------------------------------------------------------------------- plain-socket ceiling
-
-_REQ = struct.Struct("!II")  # (part, parts)
-
-
-def _part(n: int, part: int, parts: int) -> range:
-    return range(part * n // parts, (part + 1) * n // parts)
-
-
-def serve_socket(lsock: socket.socket, views: list[memoryview], timeout_s: float, wrap: Any = None) -> None:
-    """Accept loop (run it in a daemon thread): each connection asks for a part and gets
-    its tensors' bytes with ``sendall``, in its own thread."""
-
-    def one(conn: socket.socket) -> None:
-        try:
-            conn.settimeout(timeout_s)
-            if wrap is not None:
-                conn = wrap(conn, server_side=True)
-            with conn:
-                req = b""
-                while len(req) < _REQ.size:
-                    more = conn.recv(_REQ.size - len(req))
-                    if not more:
-                        return
-                    req += more
-                part, parts = _REQ.unpack(req)
-                for i in _part(len(views), part, parts):
-                    conn.sendall(views[i])
-        except OSError:  # a refused handshake, a receiver gone: next connection
-            pass
-
-    while True:
-        try:
-            conn, _ = lsock.accept()
-        except OSError:
-            return
-        threading.Thread(target=one, args=(conn,), daemon=True).start()
-
-
-def _recv_part(port: int, dest: list[Any], part: int, parts: int, timeout_s: float, wrap: Any) -> None:
-    from rallypoint.transports._tensors import byte_view
-
-    raw = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
-    with (wrap(raw) if wrap is not None else raw) as s:
-        s.sendall(_REQ.pack(part, parts))
-        for i in _part(len(dest), part, parts):
-            view = byte_view(dest[i])
-            n, got = len(view), 0
-            while got < n:
-                k = s.recv_into(view[got:])
-                if not k:
-                    raise RuntimeError(f"socket closed after {got} of {n} bytes of tensor {i}")
-                got += k
-
-
-def keep_freed_heap() -> bool:
-    """glibc: serve 3 MiB blocks from the heap and never trim it (``mallopt``), so memory
-    freed after one fetch is reused, already faulted in, by the next one. Used by the
-    ``socket`` ceiling (see :func:`socket_fetcher`) and by ``heal_stall``'s receivers
-    (their page faults stay out of the sender's measured steps). False where not glibc.
-    """
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    # 32 MiB: glibc's largest mmap threshold on 64-bit (blocks below it come from the heap)
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, -1))  # -1: never trim
-
-
-def socket_fetcher(case: str, contender: str, port: int, timeout_s: float, wrap: Any = None) -> Callable[[], Any]:
-    """The fetch of a plain-socket contender.
-
-    ``socket``/``socket_tls``: per fetch a fresh destination allocated as rallypoint's
-    fresh receiver allocates it (``torch.empty`` per tensor + ``advise_huge_pages``), one
-    connection; the process keeps its freed heap (:func:`keep_freed_heap`), as ours in
-    effect does: it allocates more after its tensors (connections, buffers), which pins
-    the heap's top, and from its third fetch on it mostly reuses the freed blocks. A bare
-    socket receiver allocates nothing after them: glibc merges the freed tensors into the
-    heap's top and trims it, and every repeat faults the whole state in again (~262,000
-    minor faults per GB, 1-4 s on this VM): the old ``socket`` median measured page
-    faults, not the network. (A small block held after the tensors does not pin the top
-    reliably: it lands in a free fragment lower down.) Both first fetches fault
-    everything (``first_fetch_rallypoint_of_socket`` compares those). ``socket_inplace``: one destination, allocated and zeroed before the first
-    fetch and reused (no page faults: the network ceiling). ``socket4``: the same in-place
-    destination, a quarter of the tensors over each of 4 parallel connections.
-    """
-    import torch
-
-    from rallypoint.transports._tensors import advise_huge_pages
-
-    shapes = list(state_shapes(case).values())
-    if contender in ("socket", TLS_SOCKET):
-        keep_freed_heap()
-
-        def fresh() -> Any:
-            dest = [torch.empty(s) for s in shapes]
-            for t in dest:
-                advise_huge_pages(t)
-            _recv_part(port, dest, 0, 1, timeout_s, wrap)
-            return dest
-
-        return fresh
-    held = list(zeros_state(case).values())
-    if contender == "socket_inplace":
-        return lambda: _recv_part(port, held, 0, 1, timeout_s, wrap)
-    if contender == "socket4":
-        pool = ThreadPoolExecutor(4, thread_name_prefix="socket4")
-
-        def four() -> None:
-            for f in [pool.submit(_recv_part, port, held, i, 4, timeout_s, wrap) for i in range(4)]:
-                f.result(timeout_s)
-
-        return four
-    raise SystemExit(f"unknown socket contender {contender!r}")
 
 
 def _http_get(host: str, port: int, path: str, timeout_s: float) -> tuple[socket.socket, int, bytes]:
@@ -352,6 +236,7 @@ RATIOS = [
     ("into_nosum_of_socket_inplace", "socket_inplace", "rp_into_nosum", "median_s"),
     ("into_nosum_of_socket4", "socket4", "rp_into_nosum", "median_s"),
     ("socket4_vs_socket_inplace", "socket_inplace", "socket4", "median_s"),
+    ("socket4_xxh3_of_socket4", "socket4", "socket4_xxh3", "median_s"),  # the sums' cost at the floor
     # what our receiver costs: ours / a bare reader of the same sender's same bytes
     ("into_nosum_of_bare_http", BARE_HTTP, "rp_into_nosum", "median_s"),
     ("into_nosum_of_bare_http_tensors", BARE_HTTP_TENSORS, "rp_into_nosum", "median_s"),
@@ -386,6 +271,14 @@ def case_ratios(rs: dict[str, Any]) -> dict[str, Any]:
     if best is not None and "rp_inplace" in rs:
         out["inplace_of_best_socket"] = rs[best]["median_s"] / rs["rp_inplace"]["median_s"]
         out["best_inplace_socket"] = best
+    # the floor of a verified heal: the faster of the summed plain-socket contenders run
+    floor = min((c for c in SUMMED_SOCKETS if c in rs), key=lambda c: rs[c]["median_s"], default=None)
+    if floor is not None:
+        out["verified_floor"] = floor
+        if "torchft0" in rs:
+            out["verified_floor_vs_torchft0"] = rs["torchft0"]["median_s"] / rs[floor]["median_s"]
+        if "rp_into" in rs:
+            out["into_of_verified_floor"] = rs[floor]["median_s"] / rs["rp_into"]["median_s"]
     for c, key in (("rp_into", "into_of_best_socket"), ("rp_into_nosum", "into_nosum_of_best_socket")):
         if best is not None and c in rs:
             out[key] = rs[best]["median_s"] / rs[c]["median_s"]
@@ -516,6 +409,11 @@ def report(repeats: int, results: dict[str, dict[str, Any]], json_only: bool, lo
                 print(f"{case:<10}where the goal lies: torchft(0) at {tf:.0%} of one plain socket's speed, so "
                       f"{GOAL_VS_TORCHFT}x torchft(0) is {GOAL_VS_TORCHFT * tf:.0%} of it; four plain sockets "
                       f"reach {rt['socket4_vs_socket_inplace']:.0%}")
+            if "verified_floor_vs_torchft0" in rt:
+                print(f"{case:<10}the floor of a verified heal: {rt['verified_floor']} (plain sockets, every byte summed "
+                      f"and checked) {rt['verified_floor_vs_torchft0']:.2f}x torchft(0)"
+                      + _fmt(rt, "socket4_xxh3_of_socket4", ".0%", ", socket4_xxh3 of socket4's speed")
+                      + _fmt(rt, "into_of_verified_floor", ".0%", f", rp_into of {rt['verified_floor']}'s"))
             bare = [_fmt(rt, "bare_http_of_socket_inplace", ".0%", f"{BARE_HTTP} of one plain socket's speed"),
                     _fmt(rt, "bare_http_of_socket4", ".0%", f"{BARE_HTTP} of four plain sockets'"),
                     _fmt(rt, "bare_http_tensors_of_bare_http", ".0%", f"{BARE_HTTP_TENSORS} of {BARE_HTTP}'s"),

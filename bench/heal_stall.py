@@ -27,7 +27,7 @@ parameter (the int64 sum of its bits viewed as int32; computed then, so that rea
 does not compete with the sender's compute for memory bandwidth). The sender computes the
 same checksums between the step before and the heal step (untimed): the received state
 must equal the state AS OF THE HEAL STEP, before that step's optimizer update. Receivers
-keep their freed heap (``_transport_util.keep_freed_heap``), so their page faults stay
+keep their freed heap (``_sockets.keep_freed_heap``), so their page faults stay
 out of the measured steps after the warm-up heal.
 
 Contenders (in one run): ``rp_live`` = rallypoint ``HTTPTransport(timeout, 4,
@@ -95,7 +95,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _util  # noqa: E402
-from _transport_util import keep_freed_heap  # noqa: E402
+from _sockets import keep_freed_heap  # noqa: E402
 from _util import Child, close_all, median, table  # noqa: E402
 
 CONTENDERS = ("rp_live", "rp_meet", "rp_precopy", "rp_copy", "torchft", "socket")

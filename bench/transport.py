@@ -22,16 +22,20 @@ memory once every byte verified (``rallypoint/transports/_pool.py``), with XXH3 
 ``rp_into_nosum`` asking for none (``checksum="none"``, opt-in: the bytes trusted to the
 connection, as torchft's are).
 
-The plain-socket ceiling (``_transport_util``: the receiver asks for a part, the sender
+The plain-socket ceiling (``_sockets``: the receiver asks for a part, the sender
 ``sendall``s its tensors' bytes, the receiver ``recv_into``s each tensor in order):
 ``socket`` receives into a fresh destination per fetch, allocated the way rallypoint's
 fresh receiver allocates (``torch.empty`` per tensor + ``advise_huge_pages``; the process
-keeps its freed heap, as ours in effect does: ``_transport_util.keep_freed_heap``), over
+keeps its freed heap, as ours in effect does: ``_sockets.keep_freed_heap``), over
 one connection: the reference for ``rallypoint`` (fresh vs fresh; ``faults`` columns:
 minor page faults per fetch). ``socket_inplace`` receives into one destination allocated and zeroed before the
 first fetch and reused: the network ceiling without page faults, the reference for
 ``rp_inplace``. ``socket4``: the same in-place destination, a quarter of the tensors over
-each of 4 parallel connections. The goal ratio ``inplace_of_best_socket`` is against the
+each of 4 parallel connections; ``socket2_xxh3`` and ``socket4_xxh3`` the same over 2 or 4
+connections with every tensor summed (XXH3, a MiB at a time) by the sender just before it
+leaves and by the receiver as it lands, then checked: the floor of a heal that verifies
+every byte, the reference for ``rp_into`` (the faster one run: ``verified_floor``). The
+goal ratio ``inplace_of_best_socket`` is against the
 faster of ``socket_inplace`` and ``socket4`` (named in ``best_inplace_socket``).
 ``http_bare``: rallypoint's sender (the same ranges and bytes as ``rp_into_nosum``) read by
 a receiver that only ``recv_into``s them over two connections (no ``http.client``, parsing,
@@ -117,17 +121,15 @@ from _transport_util import (  # noqa: E402
     TLS_INPLACE,
     TLS_SOCKET,
     bare_http_fetcher,
-    keep_freed_heap,
     make_state,
     proc_cpu,
     read_json_line,
     report,
     rss_kb,
-    serve_socket,
-    socket_fetcher,
     state_bytes,
     zeros_state,
 )
+from _sockets import keep_freed_heap, serve_socket, socket_fetcher  # noqa: E402
 from _transport_util import child as _child  # noqa: E402
 from _transport_util import kill  # noqa: E402
 
