@@ -108,7 +108,7 @@ def _recv_summed(s: socket.socket, view: memoryview, i: int) -> None:
     """Tensor ``i``'s bytes into ``view``, summed read by read as they land (XXH3, at most
     ``SUM_PART`` per read, as rallypoint's receiver does), then its sum checked."""
     from rallypoint.transports._crc import SUM_KINDS
-    from rallypoint.transports._header import SUM
+    from rallypoint.transports._header import SUM, read_exact
 
     kind = SUM_KINDS["xxh3"]
     state, got, n = kind.begin(), 0, view.nbytes
@@ -118,12 +118,8 @@ def _recv_summed(s: socket.socket, view: memoryview, i: int) -> None:
             raise RuntimeError(f"socket closed after {got} of {n} bytes of tensor {i}")
         state = kind.update(state, view[got : got + k])
         got += k
-    theirs, got = memoryview(bytearray(SUM.size)), 0
-    while got < SUM.size:
-        k = s.recv_into(theirs[got:])
-        if not k:
-            raise RuntimeError(f"socket closed inside the sum of tensor {i}")
-        got += k
+    theirs = memoryview(bytearray(SUM.size))
+    read_exact(s.recv_into, theirs, f"the sum of tensor {i}")
     if SUM.unpack(theirs)[0] != kind.value(state):
         raise RuntimeError(f"tensor {i}: sum mismatch")
 

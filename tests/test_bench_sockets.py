@@ -19,7 +19,7 @@ _sockets = pytest.importorskip("_sockets", reason="bench/_sockets.py is importab
 pytest.importorskip("xxhash", reason="socket4_xxh3 sums with XXH3")
 
 from rallypoint.transports._crc import SUM_KINDS  # noqa: E402
-from rallypoint.transports._header import SUM  # noqa: E402
+from rallypoint.transports._header import SUM, WireError  # noqa: E402
 from rallypoint.transports._tensors import byte_view  # noqa: E402
 
 TIMEOUT_S = 30.0
@@ -66,6 +66,16 @@ def test_summed_receiver_refuses_a_changed_byte() -> None:
         a.close()
         b.close()
     assert bytes(view) == bytes(data)  # every byte landed; only the check failed
+
+
+def test_summed_receiver_names_a_stream_cut_inside_the_sum() -> None:
+    a, b = socket.socketpair()
+    b.settimeout(TIMEOUT_S)
+    a.sendall(b"y" * 64 + b"ab")  # the tensor whole, half of its sum
+    a.close()
+    with pytest.raises(WireError, match="got 2 of 4 bytes of the sum of tensor 5"):
+        _sockets._recv_summed(b, memoryview(bytearray(64)), 5)
+    b.close()
 
 
 def test_summed_receiver_names_a_short_stream() -> None:
